@@ -1,0 +1,191 @@
+"""`stapoctl` command line: parse, compose the Hydra config, dispatch. No logic lives here.
+
+Engines are imported lazily inside each command so `stapoctl --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="stapoctl",
+    help="Experiment orchestrator for RL of LLM reasoning (STAPO, GRPO, DAPO, 20-Entropy, "
+    "WAPO, TR-GRPO, ...) on Ray + vLLM + DeepSpeed + MLflow.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+data_app = typer.Typer(help="Prepare training and benchmark datasets.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+console = Console()
+err_console = Console(stderr=True)
+
+OVERRIDES_HELP = (
+    "Hydra overrides, e.g. experiment=stapo_qwen3_8b loss=stapo loss.tau_p=2e-3 "
+    "model=Qwen/Qwen3-8B-Base cluster=slurm"
+)
+
+
+def fail(message: str, code: int = 2) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def not_implemented(command: str) -> None:
+    fail(f"`stapoctl {command}` is not implemented yet")
+
+
+def _compose(overrides: Optional[List[str]]):
+    from stapoctl.config.compose import compose_config
+
+    return compose_config(list(overrides or []))
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def train(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    cfg: Optional[str] = typer.Option(
+        None, "--cfg", help="'job': print the resolved config and placement plan, start nothing"
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Same as --cfg job."),
+) -> None:
+    """Train a policy: data → vLLM rollouts → reward → loss → DeepSpeed update → weight sync."""
+    conf = _compose(overrides)
+    if dry_run or cfg is not None:
+        if cfg not in (None, "job"):
+            fail(f"--cfg '{cfg}' is not supported: use --cfg job")
+        from stapoctl.launch.plan import print_plan
+
+        print_plan(conf, console)
+        return
+    from stapoctl.trainer.driver import train as run_train
+
+    run_train(conf, console=console)
+
+
+@app.command(name="eval")
+def eval_cmd(
+    bench: List[str] = typer.Option(
+        ["toy"], "--bench", help="aime24 aime25 amc23 math500 minerva olympiadbench toy, or all"
+    ),
+    model: Optional[str] = typer.Option(
+        None, "--model", help="HF id, local dir, checkpoint dir or MLflow run id (default: tiny)"
+    ),
+    k: Optional[int] = typer.Option(None, "--k", help="Samples per problem (default: paper's)"),
+    decoding: str = typer.Option("both", "--decoding", help="train | justrl | both"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N problems"),
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+) -> None:
+    """Evaluate a model: avg@k, pass@k, maj@k per benchmark and decoding config."""
+    conf = _compose(overrides)
+    from stapoctl.eval.runner import run_eval
+
+    run_eval(conf, benches=bench, model=model, k=k, decoding=decoding, limit=limit, console=console)
+
+
+@app.command()
+def sweep(
+    name: str = typer.Argument(..., help="A sweep in sweeps/: tau_p, tau_h, ablations, ..."),
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+) -> None:
+    """Run a family of runs (MLflow parent run with one child per value and seed)."""
+    not_implemented("sweep")
+
+
+@data_app.command("prep")
+def data_prep(
+    name: str = typer.Argument(
+        ..., help="dapo-math-17k | aime24 | aime25 | amc23 | math500 | minerva | olympiadbench | toy | all"
+    ),
+    source: Optional[str] = typer.Option(None, "--source", help="Local jsonl/parquet instead of the hub"),
+    out: Optional[str] = typer.Option(None, "--out", help="Output dir (default: STAPOCTL_HOME/data)"),
+    strict: bool = typer.Option(False, "--strict", help="Fail on the first malformed row"),
+    template: str = typer.Option("chat", "--template", help="chat | plain"),
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+) -> None:
+    """Normalize a dataset to jsonl rows {id, prompt, answer, ...} with the STAPO instruction."""
+    conf = _compose(overrides)
+    from stapoctl.data.prep import prep_command
+
+    prep_command(conf, name=name, source=source, out=out, strict=strict, template=template, console=console)
+
+
+@app.command()
+def submit(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+) -> None:
+    """Send `train` to a Ray cluster or SLURM (cluster=ray|slurm) instead of running here."""
+    not_implemented("submit")
+
+
+@app.command()
+def runs() -> None:
+    """List runs in the MLflow store with their key metrics."""
+    not_implemented("runs")
+
+
+@app.command()
+def compare(run_ids: List[str] = typer.Argument(..., help="MLflow run ids")) -> None:
+    """Compare runs side by side (curves and final metrics)."""
+    not_implemented("compare")
+
+
+@app.command()
+def ui(
+    port: int = typer.Option(5000, "--port"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+) -> None:
+    """Start the MLflow UI on the run store."""
+    not_implemented("ui")
+
+
+@app.command()
+def bench(
+    name: str = typer.Argument("all", help="token_stats | weight_sync | all"),
+) -> None:
+    """Side-by-side benchmarks (ratios, not absolute timings)."""
+    not_implemented("bench")
+
+
+@app.command()
+def losses() -> None:
+    """List the registered policy losses and their config fields."""
+    from dataclasses import fields
+
+    from rich.table import Table
+
+    from stapoctl.losses import LOSSES
+
+    table = Table(title="Policy losses (loss=NAME loss.FIELD=VALUE)")
+    table.add_column("name", style="bold")
+    table.add_column("what")
+    table.add_column("config fields (defaults)")
+    for name, spec in LOSSES.items():
+        cfg = spec.config_cls()
+        fields_text = ", ".join(
+            f"{f.name}={getattr(cfg, f.name)!r}" for f in fields(cfg) if f.name != "name"
+        )
+        table.add_row(name, (spec.doc or "").strip().splitlines()[0] if spec.doc else "", fields_text)
+    console.print(table)
+
+
+def main() -> None:
+    from stapoctl.errors import UserError
+
+    try:
+        app()
+    except UserError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted[/]")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

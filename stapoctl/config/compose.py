@@ -1,0 +1,235 @@
+"""Compose a run's config from an experiment file plus Hydra command-line overrides.
+
+We call Hydra's compose API rather than `@hydra.main` so the CLI (Typer) owns argument
+parsing and errors stay one line. `experiment=NAME` picks the primary config file in
+`experiments/`; every other override is plain Hydra (`loss=grpo`, `loss.tau_p=2e-3`, `+x=1`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import fields, is_dataclass
+from typing import Any, Iterable
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+from stapoctl import paths
+from stapoctl.errors import UserError
+from stapoctl.config import schema as S
+
+
+class ConfigError(UserError):
+    """A user-facing, one-line configuration error (the CLI prints it without a traceback)."""
+
+
+HF_MODELS = {
+    "qwen3_1.7b": "Qwen/Qwen3-1.7B-Base",
+    "qwen3_8b": "Qwen/Qwen3-8B-Base",
+    "qwen3_14b": "Qwen/Qwen3-14B-Base",
+}
+
+_registered = False
+
+
+def register_configs() -> None:
+    """Put every typed node into Hydra's ConfigStore (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from stapoctl.losses import LOSSES
+
+    cs = ConfigStore.instance()
+    cs.store(name="stapoctl", node=S.StapoctlConfig)
+    cs.store(group="model", name="tiny", node=S.ModelConfig())
+    for name, hf_id in HF_MODELS.items():
+        cs.store(group="model", name=name, node=S.ModelConfig(name=name, path=hf_id, dtype="bfloat16"))
+    cs.store(group="data", name="toy", node=S.DataConfig())
+    cs.store(
+        group="data",
+        name="dapo_math_17k",
+        node=S.DataConfig(name="dapo-math-17k", train_batch_size=256, max_prompt_length=1024),
+    )
+    for name, spec in LOSSES.items():
+        cs.store(group="loss", name=name, node=spec.config_cls())
+    for group, node in (
+        ("rollout", S.RolloutConfig),
+        ("learner", S.LearnerConfig),
+        ("reward", S.RewardConfig),
+        ("eval", S.EvalConfig),
+        ("tracking", S.TrackingConfig),
+        ("trainer", S.TrainerConfig),
+    ):
+        cs.store(group=group, name="default", node=node())
+    for name in ("local", "ray", "slurm"):
+        cs.store(group="cluster", name=name, node=S.ClusterConfig(name=name))
+    _registered = True
+
+
+def available_experiments() -> list[str]:
+    root = paths.experiments_dir()
+    return sorted(p.stem for p in root.glob("*.yaml")) if root.is_dir() else []
+
+
+def group_options(group: str) -> list[str]:
+    register_configs()
+    return sorted(
+        name.removesuffix(".yaml") for name in ConfigStore.instance().list(group)
+    )
+
+
+def _closest(word: str, candidates: Iterable[str]) -> str | None:
+    found = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.5)
+    return found[0] if found else None
+
+
+GROUP_SCHEMAS = {
+    "model": S.ModelConfig,
+    "data": S.DataConfig,
+    "rollout": S.RolloutConfig,
+    "learner": S.LearnerConfig,
+    "reward": S.RewardConfig,
+    "eval": S.EvalConfig,
+    "tracking": S.TrackingConfig,
+    "cluster": S.ClusterConfig,
+    "trainer": S.TrainerConfig,
+}
+
+
+def _valid_keys(node: Any, prefix: str = "") -> list[str]:
+    """Dotted keys a user may override (from the dataclass schema, so it works before compose)."""
+    out: list[str] = []
+    for f in fields(node):
+        if f.name == "defaults":
+            continue
+        key = f"{prefix}{f.name}"
+        out.append(key)
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if not prefix and f.name in GROUP_SCHEMAS:
+            default = GROUP_SCHEMAS[f.name]()
+        if is_dataclass(default):
+            out.extend(_valid_keys(default, key + "."))
+    return out
+
+
+def _rewrite(overrides: list[str]) -> tuple[str, list[str]]:
+    """Pull out `experiment=`; turn `model=<HF id or path>` into `model.path=...`."""
+    experiment = "tiny"
+    rest: list[str] = []
+    model_options = set(HF_MODELS) | {"tiny"}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(
+                f"override '{item}' has no '=': write key=value, e.g. loss.tau_p=2e-3"
+            )
+        if key == "experiment":
+            experiment = value
+        elif key == "model" and value not in model_options:
+            rest.append(f"model.path={value}")
+            rest.append(f"model.name={value.rstrip('/').split('/')[-1]}")
+            rest.append("model.dtype=bfloat16" if "/" in value and not value.startswith((".", "/")) else "model.dtype=float32")
+        else:
+            rest.append(item)
+    return experiment, rest
+
+
+def _explain(exc: Exception, experiment: str, overrides: list[str]) -> ConfigError:
+    """Hydra's messages are multi-line and name internals; say which key and what to write."""
+    msg = str(exc)
+    m = re.search(r"Key '([^']+)' not in '(\w+)'", msg) or re.search(
+        r"Could not override '([^']+)'", msg
+    )
+    if "Could not find 'experiment" in msg or "Cannot find primary config" in msg:
+        near = _closest(experiment, available_experiments())
+        hint = f"; did you mean '{near}'?" if near else ""
+        return ConfigError(
+            f"experiment '{experiment}' not found in {paths.experiments_dir()}{hint} "
+            f"(available: {', '.join(available_experiments())})"
+        )
+    m_group = re.search(r"Could not find '(\w+)/([^']+)'", msg)
+    if m_group:
+        group, option = m_group.groups()
+        options = group_options(group)
+        near = _closest(option, options)
+        hint = f" did you mean '{group}={near}'?" if near else ""
+        return ConfigError(
+            f"unknown option '{group}={option}':{hint} (options: {', '.join(options)})"
+        )
+    bad = None
+    for item in overrides:
+        key = item.partition("=")[0].lstrip("+~")
+        if m and (m.group(1) == key or key.endswith("." + m.group(1)) or m.group(1) in key):
+            bad = key
+            break
+    if bad is not None:
+        valid = _valid_keys(S.StapoctlConfig)
+        try:
+            from stapoctl.losses import LOSSES
+
+            for spec in LOSSES.values():
+                valid += ["loss." + k for k in _valid_keys(spec.config_cls)]
+        except ImportError:
+            pass
+        near = _closest(bad, sorted(set(valid)))
+        hint = f"; did you mean '{near}'?" if near else ""
+        return ConfigError(f"unknown config key '{bad}'{hint}")
+    cause = exc.__cause__ or exc.__context__
+    detail = str(cause).strip().splitlines()[0] if cause and str(cause).strip() else ""
+    first = msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
+    return ConfigError(f"bad configuration: {first}" + (f" ({detail})" if detail else ""))
+
+
+def compose_config(overrides: list[str] | None = None) -> DictConfig:
+    """The resolved, typed config for `stapoctl train|eval|sweep` with these overrides."""
+    register_configs()
+    experiment, rest = _rewrite(list(overrides or []))
+    if experiment not in available_experiments():
+        raise _explain(Exception("Cannot find primary config"), experiment, rest)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(paths.experiments_dir()), version_base="1.3"):
+            cfg = compose(config_name=experiment, overrides=rest)
+    except Exception as exc:  # Hydra/OmegaConf raise several types; all are user input errors
+        raise _explain(exc, experiment, rest) from exc
+    OmegaConf.set_struct(cfg, False)
+    cfg.experiment = experiment
+    OmegaConf.set_struct(cfg, True)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-field checks Hydra's types cannot express."""
+    if cfg.eval.decoding not in ("train", "justrl", "both"):
+        raise ConfigError(
+            f"eval.decoding='{cfg.eval.decoding}' is not one of train|justrl|both"
+        )
+    if cfg.rollout.old_logprob_source not in ("recompute", "rollout"):
+        raise ConfigError(
+            f"rollout.old_logprob_source='{cfg.rollout.old_logprob_source}': use recompute or rollout"
+        )
+    if not 0 <= cfg.learner.zero_stage <= 3:
+        raise ConfigError(f"learner.zero_stage={cfg.learner.zero_stage}: use 0, 1, 2 or 3")
+    if cfg.data.template not in ("chat", "plain"):
+        raise ConfigError(f"data.template='{cfg.data.template}': use chat or plain")
+    if cfg.cluster.name not in ("local", "ray", "slurm"):
+        raise ConfigError(f"cluster.name='{cfg.cluster.name}': use local, ray or slurm")
+
+
+def to_flat_dict(cfg: DictConfig) -> dict[str, Any]:
+    """Dotted key → value, the form MLflow params take."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out

@@ -1,0 +1,89 @@
+"""MLflow run lifecycle: one place that decides the store, logs the resolved config and
+batches metrics, so training, eval and sweeps record runs the same way."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator, Mapping
+
+from stapoctl import paths
+
+
+def tracking_uri(configured: str | None = None) -> str:
+    """Config value, else MLFLOW_TRACKING_URI, else sqlite under STAPOCTL_HOME (printed at start)."""
+    return configured or paths.default_tracking_uri()
+
+
+def setup(configured_uri: str | None, experiment: str) -> str:
+    import mlflow
+
+    uri = tracking_uri(configured_uri)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment(experiment)
+    return uri
+
+
+@contextlib.contextmanager
+def start_run(
+    *,
+    uri: str | None,
+    experiment: str,
+    run_name: str | None = None,
+    run_id: str | None = None,
+    parent_run_id: str | None = None,
+    tags: Mapping[str, str] | None = None,
+) -> Iterator[Any]:
+    """Start (or, with run_id, continue) a run; nested under parent_run_id when given."""
+    import mlflow
+
+    setup(uri, experiment)
+    all_tags = dict(tags or {})
+    if parent_run_id:
+        all_tags["mlflow.parentRunId"] = parent_run_id
+    with mlflow.start_run(run_id=run_id, run_name=run_name if run_id is None else None,
+                          tags=all_tags or None) as run:
+        yield run
+
+
+def log_config(cfg: Any) -> None:
+    """Every resolved value as a param (dotted keys) plus the whole YAML as an artifact."""
+    import mlflow
+    from omegaconf import OmegaConf
+
+    from stapoctl.config.compose import to_flat_dict
+
+    flat = {k: ("" if v is None else str(v))[:6000] for k, v in to_flat_dict(cfg).items()}
+    items = list(flat.items())
+    for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+        mlflow.log_params(dict(items[i : i + 100]))
+    mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+
+
+def log_metrics(metrics: Mapping[str, float], step: int) -> None:
+    import math
+
+    import mlflow
+
+    clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+    if clean:
+        mlflow.log_metrics(clean, step=step)
+
+
+def active_run_id() -> str | None:
+    import mlflow
+
+    run = mlflow.active_run()
+    return run.info.run_id if run else None
+
+
+def env_snapshot() -> dict[str, str]:
+    """Engine versions worth having next to the numbers."""
+    out = {}
+    for mod in ("torch", "vllm", "ray", "deepspeed", "transformers", "mlflow"):
+        try:
+            out[f"version.{mod}"] = __import__(mod).__version__
+        except Exception:
+            out[f"version.{mod}"] = "missing"
+    out["host.cpus"] = str(os.cpu_count())
+    return out
