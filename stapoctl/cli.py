@@ -124,24 +124,42 @@ def submit(
 
 
 @app.command()
-def runs() -> None:
+def runs(
+    experiment: str = typer.Option("stapoctl", "--experiment", help="MLflow experiment name"),
+    uri: Optional[str] = typer.Option(None, "--uri", help="MLflow store (default: MLFLOW_TRACKING_URI or the local one)"),
+    limit: int = typer.Option(50, "--limit"),
+) -> None:
     """List runs in the MLflow store with their key metrics."""
-    not_implemented("runs")
+    from stapoctl.tracking.runs import list_runs
+
+    list_runs(uri, experiment, console, max_results=limit)
 
 
 @app.command()
-def compare(run_ids: List[str] = typer.Argument(..., help="MLflow run ids")) -> None:
-    """Compare runs side by side (curves and final metrics)."""
-    not_implemented("compare")
+def compare(
+    run_ids: List[str] = typer.Argument(..., help="MLflow run ids"),
+    metric: Optional[List[str]] = typer.Option(None, "--metric", help="Metric to plot (repeatable)"),
+    out: Optional[str] = typer.Option(None, "--out", help="PNG path for the curves"),
+    uri: Optional[str] = typer.Option(None, "--uri"),
+) -> None:
+    """Compare runs side by side: final metrics and a PNG of their curves."""
+    from stapoctl.tracking.runs import DEFAULT_CURVES, compare_runs
+
+    compare_runs(uri, run_ids, console, metrics=metric or DEFAULT_CURVES, out=out)
 
 
 @app.command()
 def ui(
     port: int = typer.Option(5000, "--port"),
-    host: str = typer.Option("127.0.0.1", "--host"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Bind address (loopback by default)"),
+    uri: Optional[str] = typer.Option(None, "--uri"),
 ) -> None:
     """Start the MLflow UI on the run store."""
-    not_implemented("ui")
+    from stapoctl.tracking.mlflow_run import tracking_uri
+    from stapoctl.tracking.runs import serve_ui
+
+    console.print(f"MLflow UI for {tracking_uri(uri)} at http://{host}:{port} (Ctrl-C to stop)")
+    raise typer.Exit(serve_ui(uri, host, port))
 
 
 @app.command()

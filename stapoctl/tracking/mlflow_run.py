@@ -15,11 +15,25 @@ def tracking_uri(configured: str | None = None) -> str:
     return configured or paths.default_tracking_uri()
 
 
+def _artifact_root(uri: str) -> str | None:
+    """Artifacts of a sqlite store live beside the db; MLflow's default is ./mlruns of the cwd."""
+    if uri.startswith("sqlite:///"):
+        from pathlib import Path
+
+        return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
+    return None
+
+
 def setup(configured_uri: str | None, experiment: str) -> str:
     import mlflow
 
     uri = tracking_uri(configured_uri)
     mlflow.set_tracking_uri(uri)
+    if mlflow.get_experiment_by_name(experiment) is None:
+        try:
+            mlflow.create_experiment(experiment, artifact_location=_artifact_root(uri))
+        except Exception:  # created concurrently by another process: use theirs
+            pass
     mlflow.set_experiment(experiment)
     return uri
 
