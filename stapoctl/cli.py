@@ -162,12 +162,28 @@ def ui(
     raise typer.Exit(serve_ui(uri, host, port))
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(
-    name: str = typer.Argument("all", help="token_stats | weight_sync | all"),
+    ctx: typer.Context,
+    name: str = typer.Argument("all", help="A script in benchmarks/ (e.g. token_stats_memory), or all"),
 ) -> None:
-    """Side-by-side benchmarks (ratios, not absolute timings)."""
-    not_implemented("bench")
+    """Side-by-side benchmarks from benchmarks/ (ratios measured in one run, not absolute timings).
+
+    Extra options are passed to the script, e.g. `stapoctl bench token_stats_memory --tokens 2048`.
+    """
+    import subprocess
+
+    from stapoctl.paths import project_root
+
+    scripts = {p.stem: p for p in sorted((project_root() / "benchmarks").glob("*.py"))}
+    chosen = list(scripts) if name == "all" else [name.removesuffix(".py")]
+    for stem in chosen:
+        if stem not in scripts:
+            fail(f"no benchmark '{stem}' in benchmarks/ (have: {', '.join(scripts) or 'none'})")
+        console.rule(f"[bold]bench {stem}")
+        rc = subprocess.call([sys.executable, str(scripts[stem]), *ctx.args])
+        if rc:
+            raise typer.Exit(rc)
 
 
 @app.command()

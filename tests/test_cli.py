@@ -64,7 +64,10 @@ def test_group_override_switches_the_loss_config_schema():
     assert res.returncode == 0, res.stderr
     cfg = resolved_yaml(res.stdout)
     assert cfg["loss"]["name"] == "grpo"
-    assert "tau_p" not in cfg["loss"]  # GRPO has no S2T mask knobs
+    # GRPO's own schema: symmetric clip and sequence-mean of token-mean, not STAPO's
+    assert cfg["loss"]["clip_ratio_high"] == pytest.approx(0.2)
+    assert cfg["loss"]["loss_agg_mode"] == "seq-mean-token-mean"
+    assert "renormalize" not in cfg["loss"]
 
 
 def test_paper_experiment_carries_table6_recipe():
@@ -136,3 +139,9 @@ def test_losses_command_lists_every_registered_method():
         "justrl", "wapo", "tr_grpo", "ppl_shaping", "position_shaping",
     ):
         assert name in res.stdout
+
+
+def test_bench_names_the_available_benchmarks():
+    res = run_cli("bench", "no_such_bench")
+    assert res.returncode == 2
+    assert "no benchmark 'no_such_bench'" in res.stderr and "token_stats_memory" in res.stderr

@@ -137,6 +137,21 @@ def _rewrite(overrides: list[str]) -> tuple[str, list[str]]:
     return experiment, rest
 
 
+def _loss_schema(experiment: str, overrides: list[str], bad_key: str) -> type:
+    """The config class of the loss this run selects (compose again without the bad key)."""
+    from stapoctl.losses import LOSSES
+
+    rest = [o for o in overrides if o.partition("=")[0].lstrip("+~") != bad_key]
+    try:
+        with initialize_config_dir(config_dir=str(paths.experiments_dir()), version_base="1.3"):
+            name = compose(config_name=experiment, overrides=rest).loss.name
+    except Exception:
+        name = "stapo"
+    finally:
+        GlobalHydra.instance().clear()
+    return LOSSES[name].config_cls if name in LOSSES else LOSSES["stapo"].config_cls
+
+
 def _explain(exc: Exception, experiment: str, overrides: list[str]) -> ConfigError:
     """Hydra's messages are multi-line and name internals; say which key and what to write."""
     msg = str(exc)
@@ -166,14 +181,9 @@ def _explain(exc: Exception, experiment: str, overrides: list[str]) -> ConfigErr
             bad = key
             break
     if bad is not None:
-        valid = _valid_keys(S.StapoctlConfig)
-        try:
-            from stapoctl.losses import LOSSES
-
-            for spec in LOSSES.values():
-                valid += ["loss." + k for k in _valid_keys(spec.config_cls)]
-        except ImportError:
-            pass
+        valid = _valid_keys(S.StapoctlConfig) + [
+            "loss." + k for k in _valid_keys(_loss_schema(experiment, overrides, bad))
+        ]
         near = _closest(bad, sorted(set(valid)))
         hint = f"; did you mean '{near}'?" if near else ""
         return ConfigError(f"unknown config key '{bad}'{hint}")

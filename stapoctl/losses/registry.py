@@ -1,0 +1,97 @@
+"""The loss registry: a method is one function registered under a name with its config.
+
+A loss function has the signature ``fn(batch: PolicyBatch, cfg) -> (loss, metrics)`` where
+``batch`` (see ``batch.py``) holds the call's tensors, its extra inputs and the mini-batch
+context, and ``cfg`` is an instance of the registered ``config_cls``.
+
+Extra per-call inputs (keyword arguments of ``compute_policy_loss`` / ``prepare_minibatch``):
+
+- ``group_ids``: [B] int, prompt id of each row (wapo, ppl_shaping).
+- ``global_step``: int, training step (position_shaping's start/stop window).
+- ``sum_p2``: [B, T] float, sum_k pi_k^2 from ``token_stats(..., return_sum_p2=True)``
+  (exact LM-head gradient-norm proxies; without it the (1 - pi)^2 lower bound is used).
+- ``hidden_norm``: [B, T] float, ||h_t||_2 of the final hidden state (default 1).
+- ``max_response_length``: int, WAPO's T_max (default: T of the tensors).
+- ``ref_log_prob``: [B, T] float, reference policy log-probs (tr_grpo with kl_coef > 0).
+- ``old_log_prob``: only for ``prepare_minibatch`` (ppl_shaping needs it there).
+
+Mini-batch context (returned by ``prepare_minibatch``, passed back into every micro-batch
+call): ``entropy_threshold`` (S2T h*), ``select_entropy_threshold`` (20-Entropy's
+threshold), ``loss_denominator`` (the normaliser of the aggregation mode), and row-aligned
+tensors whose keys start with ``row_`` (``row_weight`` for wapo, ``row_ppl_weight`` for
+ppl_shaping) that must be sliced with the micro-batch rows (``slice_context``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Optional
+
+EXTRA_KEYS = frozenset(
+    {"group_ids", "global_step", "sum_p2", "hidden_norm", "max_response_length", "ref_log_prob"}
+)
+CONTEXT_KEYS = frozenset(
+    {"entropy_threshold", "select_entropy_threshold", "loss_denominator", "row_weight", "row_ppl_weight"}
+)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    name: str
+    fn: Callable[..., Any]
+    config_cls: type
+    doc: str
+
+
+LOSSES: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, config_cls: type, doc: Optional[str] = None) -> Callable:
+    """Decorator: register ``fn`` as loss ``name``; configs then select it with loss=NAME."""
+
+    def deco(fn: Callable) -> Callable:
+        first = fields(config_cls)[0]
+        if first.name != "name" or first.default != name:
+            raise TypeError(f"{config_cls.__name__}: first field must be name: str = {name!r}")
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} is already registered")
+        LOSSES[name] = LossSpec(name=name, fn=fn, config_cls=config_cls, doc=(doc or fn.__doc__ or "").strip())
+        return fn
+
+    return deco
+
+
+def closest(key: str, valid: list[str] | set[str] | frozenset[str]) -> str:
+    options = sorted(valid)
+    match = difflib.get_close_matches(key, options, n=1, cutoff=0.0)
+    return match[0] if match else (options[0] if options else "")
+
+
+def get_spec(name: str) -> LossSpec:
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r} (closest: {closest(name, LOSSES.keys())!r})")
+    return LOSSES[name]
+
+
+def config_field_names(config_cls: type) -> list[str]:
+    return [f.name for f in fields(config_cls)]
+
+
+def split_kwargs(spec: LossSpec, kwargs: dict[str, Any], extra_keys: frozenset[str] = EXTRA_KEYS):
+    """Split caller kwargs into (config instance, extras, context); one-line error on a typo."""
+    names = set(config_field_names(spec.config_cls))
+    valid = names | extra_keys | CONTEXT_KEYS
+    for key in kwargs:
+        if key not in valid:
+            raise ValueError(
+                f"unknown key {key!r} for loss {spec.name!r} (closest valid: {closest(key, valid)!r})"
+            )
+    cfg_kwargs = {k: v for k, v in kwargs.items() if k in names}
+    if cfg_kwargs.get("name", spec.name) != spec.name:
+        raise ValueError(f"config name {cfg_kwargs['name']!r} does not match loss {spec.name!r}")
+    cfg_kwargs["name"] = spec.name
+    cfg = spec.config_cls(**cfg_kwargs)
+    extras = {k: v for k, v in kwargs.items() if k in extra_keys}
+    context = {k: v for k, v in kwargs.items() if k in CONTEXT_KEYS}
+    return cfg, extras, context

@@ -1,0 +1,84 @@
+"""GRPO with 003's advantage shaping: PPL-based (Eq. 9) and position-based (Eq. 8).
+
+Both sit on the project's GRPO (clip 0.2, seq-mean-token-mean) because 003 compares
+against a GRPO baseline; only the advantages change. S2T diagnostics use the unshaped
+advantage signs (shaping keeps the sign for |alpha*w| < 1 and adds sign(A)*b).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .batch import PolicyBatch
+from .config import AggFields, _f
+from .pg import clipped_pg_loss
+from .registry import register_loss
+from .shaping import REL_POS_MODES, position_bonus, ppl_weights
+
+
+@dataclass
+class PPLShapingConfig(AggFields):
+    """A~ = A * (1 - alpha * w_ppl), w_ppl the standardised log-PPL within the prompt's group."""
+
+    name: str = _f("ppl_shaping", "registry key of the loss (loss=NAME)")
+    clip_ratio_low: float = _f(0.2, "epsilon_low: ratio floor 1 - clip_ratio_low")
+    clip_ratio_high: float = _f(0.2, "epsilon_high: ratio ceiling 1 + clip_ratio_high")
+    loss_agg_mode: str = _f("seq-mean-token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum")
+    alpha: float = _f(0.01, "alpha of (1 - alpha * w_ppl) (003 §5: 0.01, favours low-PPL responses)")
+
+
+@dataclass
+class PositionShapingConfig(AggFields):
+    """A~_t = A_t + sign(A_t) * gamma * sigmoid(d * m * (l_t - n)) inside a step window."""
+
+    name: str = _f("position_shaping", "registry key of the loss (loss=NAME)")
+    clip_ratio_low: float = _f(0.2, "epsilon_low: ratio floor 1 - clip_ratio_low")
+    clip_ratio_high: float = _f(0.2, "epsilon_high: ratio ceiling 1 + clip_ratio_high")
+    loss_agg_mode: str = _f("seq-mean-token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum")
+    gamma: float = _f(0.1, "bonus scale gamma (003 method: 0.1; 003 analysis: 1.0)")
+    direction: float = _f(1.0, "d: +1 favours later tokens, -1 earlier ones")
+    pos_scale: float = _f(15.0, "m in r = m * (l - n) (003 §5)")
+    pos_shift: float = _f(0.5, "n in r = m * (l - n); 003 prints -0.5, which makes the bonus constant (READING)")
+    rel_pos_mode: str = _f("closed", "l_t: closed = t/(|o|-1) in [0, 1] (003) | spec = (t+1)/|o| in (0, 1]")
+    start_step: int = _f(0, "first global_step with the bonus (003 used 200, the plateau stage)")
+    stop_step: Optional[int] = _f(None, "first global_step without it again (003: start + 100); None = never")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.rel_pos_mode not in REL_POS_MODES:
+            raise ValueError(f"{self.name}: rel_pos_mode={self.rel_pos_mode!r} is not one of {', '.join(REL_POS_MODES)}")
+
+
+@register_loss("ppl_shaping", PPLShapingConfig)
+def ppl_shaping_loss(batch: PolicyBatch, cfg: PPLShapingConfig):
+    """GRPO with PPL advantage shaping (003 Eq. 7, 9). Needs group_ids; PPL from old_log_prob."""
+    group_ids = batch.row_tensor("group_ids", required_by="ppl_shaping", dtype=torch.long)
+
+    def compute() -> torch.Tensor:
+        if not batch.old_given:
+            raise ValueError("prepare_minibatch for 'ppl_shaping' needs old_log_prob=... (the PPL source)")
+        return ppl_weights(batch.old, batch.mask, group_ids, std_mode=cfg.std_mode, eps=cfg.adv_eps)
+
+    w_ppl = batch.ctx("row_ppl_weight", compute)
+    shaped = batch.adv * (1.0 - cfg.alpha * w_ppl[:, None])
+    valid = batch.mask.any(dim=-1)
+    extra = {"shaping/ppl_weight_abs_mean": torch.where(valid, w_ppl.abs(), 0.0).sum() / valid.sum().clamp(min=1)}
+    return clipped_pg_loss(batch, cfg, advantages=shaped, extra_metrics=extra)
+
+
+@register_loss("position_shaping", PositionShapingConfig)
+def position_shaping_loss(batch: PolicyBatch, cfg: PositionShapingConfig):
+    """GRPO with the positional bonus (003 Eq. 8), active for start_step <= global_step < stop_step."""
+    step = batch.extra("global_step")
+    if step is None and (cfg.start_step > 0 or cfg.stop_step is not None):
+        raise ValueError("loss 'position_shaping' with a step window needs the keyword argument global_step=...")
+    active = step is None or (step >= cfg.start_step and (cfg.stop_step is None or step < cfg.stop_step))
+    bonus = position_bonus(
+        batch.mask, gamma=cfg.gamma, direction=cfg.direction, pos_scale=cfg.pos_scale,
+        pos_shift=cfg.pos_shift, rel_pos_mode=cfg.rel_pos_mode,
+    )
+    shaped = batch.adv + torch.sign(batch.adv) * bonus * (1.0 if active else 0.0)
+    return clipped_pg_loss(batch, cfg, advantages=shaped, extra_metrics={"shaping/position_active": float(active)})
