@@ -1,0 +1,234 @@
+"""The embedded tiny model: deterministic build, cache, HF dir layout, model-spec resolution,
+and the same sampled-token log-probs from vLLM and transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stapoctl.config.schema import DataConfig, ModelConfig, TinyModelConfig, ToyTaskConfig
+from stapoctl.errors import UserError
+from stapoctl.models import tiny
+from stapoctl.models.resolve import resolve_model
+
+
+def reduced(seed: int = 0, steps: int = 80, heldout: int = 32) -> tuple[ModelConfig, DataConfig]:
+    """The real recipe with a short warm start and a small held-out eval (seconds, not minutes)."""
+    model = ModelConfig(seed=seed, tiny=TinyModelConfig(warm_start_steps=steps))
+    data = DataConfig(toy=ToyTaskConfig(num_heldout=heldout))
+    return model, data
+
+
+@pytest.fixture(scope="session")
+def tiny_home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("stapoctl_home")
+
+
+@pytest.fixture(scope="session")
+def base_model(tiny_home) -> Path:
+    """One reduced warm-started model for the whole session (built under a tmp STAPOCTL_HOME)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STAPOCTL_HOME", str(tiny_home))
+    try:
+        model_cfg, data_cfg = reduced()
+        return tiny.ensure_base_model(model_cfg, data_cfg)
+    finally:
+        mp.undo()
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("STAPOCTL_HOME", str(tmp_path / "home"))
+    hashes = {}
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        out = tmp_path / name
+        out.mkdir()
+        model_cfg, data_cfg = reduced(seed=seed, steps=4, heldout=4)
+        report = tiny.build_base_model(out, model_cfg, data_cfg)
+        hashes[name] = tiny.state_dict_hash(out)
+        assert report["weights_sha256"] == hashes[name]  # what was trained is what was saved
+    assert hashes["a"] == hashes["b"]
+    assert hashes["a"] != hashes["c"]
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+
+
+def test_build_is_cached_and_records_its_toy_eval(base_model, tiny_home, monkeypatch):
+    monkeypatch.setenv("STAPOCTL_HOME", str(tiny_home))
+    model_cfg, data_cfg = reduced()
+    assert base_model == tiny_home / "models" / f"tiny-{tiny.config_hash(model_cfg, data_cfg)}"
+    mtime = (base_model / "model.safetensors").stat().st_mtime_ns
+    start = time.perf_counter()
+    assert tiny.ensure_base_model(model_cfg, data_cfg) == base_model
+    assert time.perf_counter() - start < 1.0
+    assert (base_model / "model.safetensors").stat().st_mtime_ns == mtime
+    assert not [p for p in (tiny_home / "models").iterdir() if p.name.startswith(".")]  # no temp dirs left
+    report = json.loads((base_model / tiny.BASE_EVAL).read_text())
+    for key in ("accuracy_t1", "accuracy_greedy", "arithmetic_t1", "arithmetic_greedy", "boxed_rate_t1"):
+        assert 0.0 <= report[key] <= 1.0, key
+    assert report["accuracy_t1"] <= report["arithmetic_t1"]  # reboxing only adds credit
+    assert report["heldout_problems"] == 32 and report["warm_start_steps"] == 80
+    assert report["weights_sha256"] == tiny.state_dict_hash(base_model)
+    # a changed knob is a different cache entry
+    other_model, other_data = reduced()
+    other_model.tiny.unboxed_fraction = 0.3
+    assert tiny.config_hash(other_model, other_data) != tiny.config_hash(model_cfg, data_cfg)
+
+
+def test_model_dir_is_a_plain_hf_qwen3_dir(base_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base_model)
+    tok = AutoTokenizer.from_pretrained(base_model)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    params = sum(p.numel() for p in model.parameters())
+    assert params == json.loads((base_model / tiny.BASE_EVAL).read_text())["params"]
+    assert 100_000 <= params <= 5_000_000
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert model.config.eos_token_id == tok.eos_token_id and len(tok) <= model.config.vocab_size
+    text = tok.apply_chat_template([{"role": "user", "content": "Compute 2 + 3 * 4."}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nCompute 2 + 3 * 4.<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(tok("8*7=56. 27+56=83. \\boxed{83}")["input_ids"]) == "8*7=56. 27+56=83. \\boxed{83}"
+    # the tokenizer in the model dir is the one data prep uses on its own
+    model_cfg, data_cfg = reduced()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STAPOCTL_HOME", str(base_model.parent.parent))
+    try:
+        tok_dir = tiny.ensure_tokenizer(model_cfg, data_cfg)
+    finally:
+        mp.undo()
+    assert (tok_dir / "tokenizer.json").read_bytes() == (base_model / "tokenizer.json").read_bytes()
+
+
+def test_warm_start_taught_the_answer_layout(base_model):
+    """A short warm start already makes the model write the worked layout the reward parses,
+    in both endings; the full 500-step build also gets most of the arithmetic right."""
+    import re
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stapoctl.data import toy
+    from stapoctl.data.templates import render_prompt
+    from stapoctl.models.warm_start import sample
+
+    model = AutoModelForCausalLM.from_pretrained(base_model)
+    tok = AutoTokenizer.from_pretrained(base_model)
+    data_cfg = DataConfig()
+    prompts = [render_prompt(p.problem, template="chat", instruction=data_cfg.instruction, tokenizer=tok)
+               for p in toy.problems(data_cfg.toy, "heldout")[:16]]
+    texts = [t for group in sample(model, tok, prompts, n=4, temperature=1.0, max_new_tokens=32, seed=0)
+             for t in group]
+    layout = re.compile(r"^\d+\*\d+=\d+\. \d+\+\d+=\d+\. (\\boxed\{\d+\}|answer \d+)$")
+    well_formed = [t for t in texts if layout.match(t)]
+    assert len(well_formed) >= 0.5 * len(texts), texts[:8]  # 80 steps: ~60%; 500 steps: ~100%
+    assert any("\\boxed{" in t for t in well_formed) and any("answer " in t for t in well_formed)
+
+
+def test_build_random_is_quick_and_loadable(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    out = tiny.build_random(tmp_path / "rand", TinyModelConfig(), seed=0)
+    assert time.perf_counter() - start < 30
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert tiny.state_dict_hash(model) == tiny.state_dict_hash(out)
+    assert tiny.state_dict_hash(out) == tiny.state_dict_hash(tiny.build_random(tmp_path / "again", TinyModelConfig(), 0))
+
+
+def make_run_dir(root: Path, model_src: Path, steps=(10, 20)) -> Path:
+    import shutil
+
+    run = root / "run"
+    for step in steps:
+        model = run / "checkpoints" / f"step_{step:06d}" / "model"
+        shutil.copytree(model_src, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    (run / "checkpoints" / "latest").write_text(f"step_{steps[0]:06d}\n")  # latest need not be the max
+    return run
+
+
+def test_resolve_model_specs(base_model, tiny_home, tmp_path, monkeypatch):
+    monkeypatch.setenv("STAPOCTL_HOME", str(tiny_home))
+    model_cfg, data_cfg = reduced()
+
+    class Cfg:
+        model, data = model_cfg, data_cfg
+
+    assert resolve_model("", Cfg) == str(base_model)
+    assert resolve_model(str(base_model), Cfg) == str(base_model)
+    run = make_run_dir(tmp_path, base_model)
+    step10 = run / "checkpoints" / "step_000010"
+    assert resolve_model(str(run), Cfg) == str(step10 / "model")  # follows checkpoints/latest
+    assert resolve_model(str(run / "checkpoints"), Cfg) == str(step10 / "model")
+    assert resolve_model(str(run / "checkpoints" / "step_000020"), Cfg) == str(run / "checkpoints" / "step_000020" / "model")
+    (run / "checkpoints" / "latest").unlink()
+    assert resolve_model(str(run), Cfg) == str(run / "checkpoints" / "step_000020" / "model")  # newest step
+    assert resolve_model("Qwen/Qwen3-8B-Base", Cfg) == "Qwen/Qwen3-8B-Base"
+    with pytest.raises(UserError, match="no such directory"):
+        resolve_model(str(tmp_path / "nope"), Cfg)
+    with pytest.raises(UserError, match="no config.json and no checkpoints"):
+        resolve_model(str(tmp_path), Cfg)
+
+
+def test_resolve_model_from_an_mlflow_run_id(base_model, tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_dir = make_run_dir(tmp_path, base_model, steps=(5,))
+    client = mlflow.MlflowClient()
+    exp = client.create_experiment("resolve")
+    run = client.create_run(exp, tags={"stapoctl.run_dir": str(run_dir)})
+    untagged = client.create_run(exp)
+
+    class Cfg:
+        class tracking:
+            uri = None
+
+    assert resolve_model(run.info.run_id, Cfg) == str(run_dir / "checkpoints" / "step_000005" / "model")
+    with pytest.raises(UserError, match="has no 'stapoctl.run_dir' tag"):
+        resolve_model(untagged.info.run_id, Cfg)
+    with pytest.raises(UserError, match="no such MLflow run"):
+        resolve_model("0" * 32, Cfg)
+
+
+@pytest.mark.engine
+def test_vllm_and_transformers_give_the_same_sampled_token_logprobs(base_model):
+    """Sample with vLLM (in-process CPU engine), re-score the same tokens with a transformers
+    forward: the learner's log-probs and the rollout's must agree for the ratio to mean anything."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stapoctl.data import toy
+    from stapoctl.data.templates import render_prompt
+    from stapoctl.rollout import vllm_engine
+
+    tok = AutoTokenizer.from_pretrained(base_model)
+    data_cfg = DataConfig()
+    prompts = [render_prompt(p.problem, template="chat", instruction=data_cfg.instruction, tokenizer=tok)
+               for p in toy.problems(data_cfg.toy, "heldout")[:6]]
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    llm = vllm_engine.make_llm(vllm_engine.EngineSpec(model_path=str(base_model), seed=0, max_model_len=256))
+    try:
+        by_text = vllm_engine.generate(llm, prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=32, seed=7)
+        by_ids = vllm_engine.generate(llm, prompt_ids, n=4, temperature=1.0, top_p=1.0, max_tokens=32, seed=7)
+    finally:
+        vllm_engine.shutdown(llm)
+    # vLLM tokenizes the prompt text exactly as we do: same seed, same samples
+    assert [[s.token_ids for s in g] for g in by_text] == [[s.token_ids for s in g] for g in by_ids]
+
+    model = AutoModelForCausalLM.from_pretrained(base_model, torch_dtype=torch.float32).eval()
+    worst, count = 0.0, 0
+    for ids, group in zip(prompt_ids, by_ids):
+        for sample in group:
+            assert sample.token_ids and len(sample.logprobs) == len(sample.token_ids)
+            full = torch.tensor([ids + sample.token_ids])
+            with torch.no_grad():
+                logits = model(full).logits[0, len(ids) - 1 : -1].float()
+            hf = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+            worst = max(worst, (hf - torch.tensor(sample.logprobs)).abs().max().item())
+            count += len(sample.token_ids)
+    print(f"max |logprob(vLLM) - logprob(HF)| = {worst:.2e} over {count} sampled tokens")
+    assert count > 100
+    assert worst <= 1e-4, f"max |logprob(vLLM) - logprob(HF)| = {worst:.2e} over {count} tokens"
