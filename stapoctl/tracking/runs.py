@@ -18,7 +18,8 @@ from rich.table import Table
 from stapoctl.errors import UserError
 from stapoctl.tracking.mlflow_run import tracking_uri
 
-DEFAULT_CURVES = ("critic/score/mean", "actor/entropy", "stapo/spurious_ratio", "val/toy/train/avg@1")
+# MLflow refuses "@" in metric names: avg@k is logged as avg_at_k
+DEFAULT_CURVES = ("val/toy/train/avg_at_4", "critic/score/mean", "actor/entropy", "stapo/spurious_ratio")
 
 
 def _client(uri: str | None):

@@ -1,0 +1,176 @@
+"""The Ray runtime every engine actor lives in: started once per process, quiet, and with the
+package importable inside actors (vLLM loads our worker extension by its dotted name there).
+
+Local runs use `address="local"` on purpose: a bare `ray.init()` would attach to whatever
+cluster another user on the same machine started last (/tmp/ray/ray_current_cluster).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from stapoctl import paths
+from stapoctl.errors import UserError
+
+# Environment every engine actor gets, whatever the machine: small, quiet, deterministic.
+_BASE_ACTOR_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_CONFIGURE_LOGGING": "1",
+    "RAY_DEDUP_LOGS": "1",
+    "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning,ignore::UserWarning",
+}
+
+
+def _package_root() -> str:
+    return str(Path(__file__).resolve().parent.parent.parent)
+
+
+def actor_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """env_vars for an actor's runtime_env: the package on PYTHONPATH plus engine settings.
+
+    An editable install already makes the package importable; the PYTHONPATH entry covers a
+    plain checkout (and costs nothing otherwise).
+    """
+    env = dict(_BASE_ACTOR_ENV)
+    pythonpath = [_package_root()]
+    if os.environ.get("PYTHONPATH"):
+        pythonpath.append(os.environ["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(pythonpath))
+    # STAPOCTL_HOME must agree between driver and actors (extension cache, models).
+    env["STAPOCTL_HOME"] = str(paths.home())
+    for key in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    if extra:
+        env.update(extra)
+    return env
+
+
+def ensure_ray(cluster_cfg: Any = None, *, log_to_driver: bool = False) -> bool:
+    """Idempotent `ray.init`: a fresh local instance sized to this machine, or `cluster.address`.
+
+    Returns True when this call started (or connected) Ray, so the caller knows whether the
+    shutdown is its to do.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = getattr(cluster_cfg, "address", None) if cluster_cfg is not None else None
+    num_cpus = getattr(cluster_cfg, "num_cpus", None) if cluster_cfg is not None else None
+    num_gpus = getattr(cluster_cfg, "num_gpus", None) if cluster_cfg is not None else None
+    kwargs: dict[str, Any] = dict(
+        include_dashboard=False,
+        log_to_driver=log_to_driver,
+        logging_level="WARNING",
+        configure_logging=True,
+        ignore_reinit_error=True,
+    )
+    if address:
+        # A remote cluster may not see this checkout: ship the package with the job.
+        kwargs["address"] = address
+        kwargs["runtime_env"] = {
+            "py_modules": [str(Path(__file__).resolve().parent.parent)],
+            "env_vars": {k: v for k, v in actor_env().items() if k not in ("PYTHONPATH", "STAPOCTL_HOME")},
+        }
+    else:
+        kwargs["address"] = "local"
+        kwargs["num_cpus"] = int(num_cpus or os.cpu_count() or 1)
+        if num_gpus is not None:
+            kwargs["num_gpus"] = int(num_gpus)
+        kwargs["runtime_env"] = {"env_vars": actor_env()}
+        # Keep Ray's own spill/log files out of the user's cwd and small.
+        kwargs["object_store_memory"] = _object_store_bytes()
+    try:
+        ray.init(**kwargs)
+        return True
+    except ConnectionError as exc:
+        raise UserError(
+            f"cluster.address={address!r}: cannot connect to a Ray cluster there ({exc}); "
+            "check the address or drop cluster.address to run locally"
+        ) from exc
+
+
+def _object_store_bytes() -> int:
+    """A modest object store: rollouts and state dicts of small models fit in 512 MiB-2 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 << 30
+    return int(min(max(total // 10, 512 << 20), 4 << 30))
+
+
+def shutdown_ray() -> None:
+    """Stop the Ray instance this process started (actors must shut their engines down first)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+class Placement:
+    """Where the actors go. On CPU: plain resource requests (no placement group). On GPU: one
+    placement group; disaggregated = rollout and learner on separate GPUs, colocated = each
+    learner rank shares its GPU bundle with a rollout actor (fractional GPUs)."""
+
+    def __init__(self, pg: Any = None, rollout_bundles: list[int] | None = None,
+                 learner_bundles: list[int] | None = None, rollout_gpus: float = 0.0, learner_gpus: float = 0.0):
+        self.pg = pg
+        self.rollout_bundles = rollout_bundles or []
+        self.learner_bundles = learner_bundles or []
+        self.rollout_gpus = rollout_gpus
+        self.learner_gpus = learner_gpus
+
+    def remove(self) -> None:
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+def make_placement(rollout_cfg: Any, learner_cfg: Any, timeout_s: float = 600.0) -> Placement:
+    """Reserve the run's resources up front (GPU), so a half-placed run fails fast, not at step 1."""
+    gpus_per_worker = float(rollout_cfg.gpus_per_worker or 0)
+    if gpus_per_worker <= 0 and int(learner_cfg.num_gpus or 0) <= 0:
+        return Placement()
+    import ray
+    from ray.util.placement_group import placement_group
+
+    tp = max(1, int(rollout_cfg.tensor_parallel_size))
+    per_worker = max(gpus_per_worker, float(tp))
+    ranks = max(1, int(learner_cfg.num_gpus or 0))
+    if learner_cfg.placement == "colocated":
+        if rollout_cfg.num_workers * per_worker != ranks:
+            raise UserError(
+                f"learner.placement=colocated needs rollout GPUs (num_workers {rollout_cfg.num_workers} × "
+                f"{per_worker:g}) == learner.num_gpus ({ranks}): change one of them"
+            )
+        bundles = [{"GPU": 1.0, "CPU": float(rollout_cfg.cpus_per_worker) / max(tp, 1) + float(learner_cfg.cpus)}
+                   for _ in range(ranks)]
+        pg = placement_group(bundles, strategy="PACK")
+        _wait(pg, timeout_s, bundles)
+        # each rollout actor takes a share of its first bundle; vLLM spreads TP ranks over the group
+        rollout_bundles = [i * int(per_worker) for i in range(rollout_cfg.num_workers)]
+        return Placement(pg, rollout_bundles, list(range(ranks)), rollout_gpus=0.5, learner_gpus=0.5)
+    bundles = [{"GPU": per_worker, "CPU": float(rollout_cfg.cpus_per_worker)} for _ in range(rollout_cfg.num_workers)]
+    bundles += [{"GPU": 1.0, "CPU": float(learner_cfg.cpus)} for _ in range(ranks)]
+    pg = placement_group(bundles, strategy="PACK")
+    _wait(pg, timeout_s, bundles)
+    n = rollout_cfg.num_workers
+    return Placement(pg, list(range(n)), list(range(n, n + ranks)), rollout_gpus=per_worker, learner_gpus=1.0)
+
+
+def _wait(pg: Any, timeout_s: float, bundles: list) -> None:
+    import ray
+
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        total = {k: sum(b.get(k, 0) for b in bundles) for k in ("GPU", "CPU")}
+        raise UserError(
+            f"the Ray cluster cannot place {len(bundles)} bundles ({total['GPU']:g} GPUs, {total['CPU']:g} CPUs) "
+            f"within {timeout_s:.0f} s: lower rollout.num_workers / learner.num_gpus or add nodes"
+        )

@@ -1,0 +1,218 @@
+"""A vLLM engine as a Ray actor: sampling for rollouts and evaluation, and the receiving end
+of the learner's weight sync.
+
+The engine lives for the whole run (its start-up and first-shape warm-up cost ~10-90 s on
+CPU), and a training step costs one call per stage: `rollout` returns a padded
+`RolloutBatch` (tensors through the object store), `update_weights` takes the learner's
+named tensors and loads them in place.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+from stapoctl.rollout.vllm_engine import EngineSpec, Sample, cuda_available
+from stapoctl.sync.worker_extension import EXTENSION_CLS
+
+
+class RolloutWorker:
+    """Owns one `vllm.LLM`. Methods run one at a time (a Ray actor), so no locking."""
+
+    def __init__(self, spec: EngineSpec):
+        from stapoctl.rollout import vllm_engine
+
+        t0 = time.perf_counter()
+        if spec.worker_extension_cls is None:
+            spec.worker_extension_cls = EXTENSION_CLS
+        self.spec = spec
+        self.llm = vllm_engine.make_llm(spec)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.init_seconds = time.perf_counter() - t0
+        self.weight_version = 0
+
+    def info(self) -> dict[str, Any]:
+        """Start-up facts the driver logs (and a cheap call to wait on the actor being up)."""
+        return {
+            "model_path": self.spec.model_path,
+            "init_s": self.init_seconds,
+            "pid": os.getpid(),
+            "weight_version": self.weight_version,
+            "eos_token_id": self.tokenizer.eos_token_id,
+            "pad_token_id": self.tokenizer.pad_token_id,
+        }
+
+    # -- sampling ---------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 64,
+        seed: Optional[int] = None,
+    ) -> list[list[Sample]]:
+        """Per prompt, its n samples (token ids, sampled-token log-probs, text, finish reason)."""
+        from stapoctl.rollout import vllm_engine
+
+        return vllm_engine.generate(
+            self.llm, prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed
+        )
+
+    def rollout(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        seed: Optional[int],
+        pad_id: int,
+        group_offset: int = 0,
+        prompt_index: Optional[Sequence[int]] = None,
+    ):
+        """Sample and pack into a `RolloutBatch` here, so only tensors and texts travel back."""
+        from stapoctl.trainer.batch import RolloutBatch
+
+        t0 = time.perf_counter()
+        per_prompt = self.generate(
+            prompt_token_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed
+        )
+        gen_s = time.perf_counter() - t0
+        batch = RolloutBatch.from_token_lists(
+            prompt_token_ids,
+            [[s.token_ids for s in samples] for samples in per_prompt],
+            [[s.logprobs for s in samples] for samples in per_prompt],
+            [[s.finish_reason == "length" for s in samples] for samples in per_prompt],
+            [[s.text for s in samples] for samples in per_prompt],
+            pad_id=pad_id,
+            group_offset=group_offset,
+            prompt_index=prompt_index,
+        )
+        return batch, {"gen_s": gen_s, "tokens": float(batch.num_response_tokens())}
+
+    def score_logprobs(self, token_ids_list: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """vLLM's log-probs of given (prompt, response) token sequences (no sampling)."""
+        from stapoctl.rollout import vllm_engine
+
+        return vllm_engine.score_logprobs(self.llm, token_ids_list)
+
+    def score_batch(self, batch) -> "Any":
+        """`score_logprobs` for a RolloutBatch's rows, as a [N, R] tensor aligned with it (0 on padding)."""
+        import torch
+
+        pairs = []
+        for k in range(len(batch)):
+            prompt = batch.prompt_ids[k][batch.prompt_mask[k]].tolist()
+            response = batch.response_ids[k][batch.response_mask[k]].tolist()
+            pairs.append((prompt, response))
+        scored = self.score_logprobs(pairs)
+        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
+        for k, lps in enumerate(scored):
+            if lps:
+                out[k, : len(lps)] = torch.as_tensor(lps, dtype=torch.float32)
+        return out
+
+    # -- weight sync --------------------------------------------------------------------
+    def update_weights(self, named_tensors: Any) -> dict[str, float]:
+        """Load the learner's weights in place, then drop cached KV computed with the old ones.
+
+        `named_tensors`: a dict or iterable of (name, tensor) (the CPU path, through Ray's
+        object store), or a vLLM `WeightTransferUpdateRequest` (the GPU path: the tensors
+        arrive by NCCL/CUDA IPC inside `update_weights` of vLLM's weight-transfer engine).
+        """
+        t0 = time.perf_counter()
+        if type(named_tensors).__name__ == "WeightTransferUpdateRequest":
+            self.llm.collective_rpc("update_weights", kwargs={"update_info": named_tensors.update_info})
+            count = -1
+        else:
+            items: Iterable = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+            payload = list(items)
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+                from stapoctl.sync.worker_extension import pack_for_rpc
+
+                payload = pack_for_rpc(payload)  # the engine core is another process
+            count = self.llm.collective_rpc("stapo_load_weights", args=(payload,))[0]
+            self._after_update()
+        return {"sync_load_s": time.perf_counter() - t0, "tensors": float(count)}
+
+    def _after_update(self) -> None:
+        self.llm.reset_prefix_cache()
+        self.weight_version += 1
+
+    def weight_checksum(self) -> float:
+        return float(self.llm.collective_rpc("stapo_weight_checksum")[0])
+
+    # GPU weight transfer (vLLM's RayVLLMWeightSyncClient drives these four; untested here).
+    def init_weight_transfer_engine(self, request: Any) -> None:
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": request.init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.collective_rpc("start_weight_update")
+
+    def finish_weight_update(self) -> None:
+        self.llm.collective_rpc("finish_weight_update")
+        self._after_update()
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.collective_rpc("shutdown_weight_transfer_engine")
+
+    def update_weight_version(self, version: str) -> None:
+        self.weight_version = int(version) if str(version).isdigit() else self.weight_version
+
+    def shutdown(self) -> None:
+        """Stop the engine before the actor dies (else /dev/shm segments outlive Ray)."""
+        from stapoctl.rollout import vllm_engine
+
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            vllm_engine.shutdown(llm)
+            del llm
+        import gc
+
+        gc.collect()
+
+
+def rollout_env(spec: EngineSpec) -> dict[str, str]:
+    """Per-actor environment: vLLM in-process on CPU (4 s start, tensors passed directly)."""
+    from stapoctl.launch.ray_runtime import actor_env
+
+    extra = {"VLLM_LOGGING_LEVEL": "WARNING"}
+    if not cuda_available():
+        extra["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        extra["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gb)
+    return actor_env(extra)
+
+
+def make_rollout_worker(
+    engine_spec: EngineSpec,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+    *,
+    placement_group: Any = None,
+    bundle_index: int = -1,
+    name: Optional[str] = None,
+):
+    """Start a RolloutWorker actor with these resources; returns its handle (engine still loading)."""
+    import ray
+
+    options: dict[str, Any] = dict(
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        runtime_env={"env_vars": rollout_env(engine_spec)},
+        max_concurrency=1,
+    )
+    if name:
+        options["name"] = name
+    if placement_group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=placement_group,
+            placement_group_bundle_index=bundle_index,
+            placement_group_capture_child_tasks=True,
+        )
+    actor_cls = ray.remote(RolloutWorker)
+    return actor_cls.options(**options).remote(engine_spec)

@@ -1,0 +1,52 @@
+"""vLLM worker extension: the code that runs inside vLLM's worker to take the learner's weights.
+
+vLLM mixes this class into its Worker (`worker_extension_cls=` by dotted name), so `self` is
+the worker. On CPU, `model.load_weights` breaks after the first load ("'Parameter' object has
+no attribute 'weight_loader'", ENGINES.md); the worker's `reload_weights(weights_iterator=)`
+re-runs the loader in place and is what we call.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+EXTENSION_CLS = "stapoctl.sync.worker_extension.WeightSyncExtension"
+
+
+def pack_for_rpc(named_tensors: Iterable[tuple[str, "object"]]) -> list[tuple[str, bytes, str, list[int]]]:
+    """(name, raw bytes, dtype, shape): what crosses vLLM's multiprocess RPC, which cannot
+    pickle tensors ("cannot pickle memoryview objects"). The in-process engine needs none of it."""
+    import torch
+
+    out = []
+    for name, t in named_tensors:
+        t = t.detach().to("cpu").contiguous()
+        out.append((name, t.reshape(-1).view(torch.uint8).numpy().tobytes(), str(t.dtype).removeprefix("torch."), list(t.shape)))
+    return out
+
+
+def _unpack(item) -> tuple[str, "object"]:
+    import torch
+
+    if len(item) == 2:
+        name, tensor = item
+        return name, tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
+    name, raw, dtype, shape = item
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return name, flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+class WeightSyncExtension:
+    def stapo_load_weights(self, named_tensors: Iterable) -> int:
+        """Load (name, tensor) or packed (name, bytes, dtype, shape) items in place; returns how many."""
+        items = [_unpack(item) for item in named_tensors]
+        self.reload_weights(weights_iterator=iter(items))
+        return len(items)
+
+    def stapo_weight_checksum(self) -> float:
+        """Sum of every parameter, a cheap fingerprint tests use to see a sync landed."""
+        import torch
+
+        model = self.model_runner.get_model()
+        with torch.no_grad():
+            return float(sum(p.detach().double().sum().item() for p in model.parameters()))

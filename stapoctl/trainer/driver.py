@@ -1,0 +1,485 @@
+"""`stapoctl train`: the synchronous on-policy loop of STAPO (000 Table 6) on real engines.
+
+One step, data flowing one way:
+    prompts → vLLM rollouts (RolloutBatch) → rewards → advantages → learner (recompute old
+    log-probs, PPO mini-batch updates with the configured loss) → weight sync → metrics.
+Every stage is one Ray call; the engines live for the whole run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from stapoctl import paths
+from stapoctl.errors import UserError
+
+TRAIN_DATA = {"toy": "toy-train"}  # data.name → the registry's training split
+
+
+# -- set-up ---------------------------------------------------------------------------------
+def check_config(conf: DictConfig) -> None:
+    """Cross-field checks that would otherwise fail minutes in, inside an actor."""
+    d, r, lrn, t = conf.data, conf.rollout, conf.learner, conf.trainer
+    if d.train_batch_size < 1:
+        raise UserError(f"data.train_batch_size={d.train_batch_size}: must be >= 1")
+    if lrn.ppo_mini_batch_size < 1 or d.train_batch_size % lrn.ppo_mini_batch_size:
+        raise UserError(
+            f"data.train_batch_size={d.train_batch_size} is not a multiple of "
+            f"learner.ppo_mini_batch_size={lrn.ppo_mini_batch_size}: make the mini-batch divide the batch"
+        )
+    if r.n < 1:
+        raise UserError(f"rollout.n={r.n}: must be >= 1 (8 in the paper)")
+    if r.num_workers < 1:
+        raise UserError(f"rollout.num_workers={r.num_workers}: must be >= 1")
+    if lrn.micro_batch_size < 1:
+        raise UserError(f"learner.micro_batch_size={lrn.micro_batch_size}: must be >= 1")
+    mini_rows, ranks = lrn.ppo_mini_batch_size * r.n, max(1, int(lrn.num_gpus or 0))
+    if mini_rows > lrn.micro_batch_size * ranks and mini_rows % (lrn.micro_batch_size * ranks):
+        raise UserError(
+            f"learner.ppo_mini_batch_size={lrn.ppo_mini_batch_size} × rollout.n={r.n} = {mini_rows} sequences "
+            f"do not split into micro-batches of learner.micro_batch_size={lrn.micro_batch_size} × {ranks} "
+            "rank(s): make the micro-batch divide the mini-batch"
+        )
+    if t.total_steps < 1:
+        raise UserError(f"trainer.total_steps={t.total_steps}: must be >= 1")
+    if lrn.get("offload_optimizer") and int(lrn.zero_stage) < 1:
+        raise UserError("learner.offload_optimizer=true needs learner.zero_stage >= 1 (ZeRO-Offload)")
+    if r.old_logprob_source not in ("recompute", "rollout"):
+        raise UserError(f"rollout.old_logprob_source='{r.old_logprob_source}': use recompute or rollout")
+    if r.max_response_length < 1:
+        raise UserError(f"rollout.max_response_length={r.max_response_length}: must be >= 1")
+
+
+def resolve_policy(conf: DictConfig, console: Console) -> str:
+    """The model to start from ("" builds or finds the cached warm-started tiny model)."""
+    from stapoctl.models.resolve import resolve_model
+
+    return str(resolve_model(str(conf.model.path or ""), conf, console=console))
+
+
+def load_rows(name: str, conf: DictConfig, tokenizer_path: str) -> list[dict]:
+    from stapoctl.data.registry import load_rows as registry_load
+
+    return registry_load(name, conf.data, tokenizer_path=tokenizer_path)
+
+
+def tokenize_prompts(rows: list[dict], tokenizer, max_len: int, what: str, console: Console) -> tuple[list, list]:
+    """Token ids of every prompt, once; over-long prompts are dropped (verl does the same)."""
+    ids = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
+    kept = [(i, r) for i, r in zip(ids, rows) if len(i) <= max_len]
+    if not kept:
+        raise UserError(
+            f"every {what} prompt is longer than data.max_prompt_length={max_len} tokens: raise it"
+        )
+    if len(kept) < len(rows):
+        console.print(f"[yellow]{len(rows) - len(kept)} of {len(rows)} {what} prompts exceed "
+                      f"data.max_prompt_length={max_len} tokens and are skipped[/]")
+    return [k[0] for k in kept], [k[1] for k in kept]
+
+
+def resume_config(conf: DictConfig, state: dict) -> DictConfig:
+    """The run's own saved config, with the values this command line changed on top.
+
+    `stapoctl train resume=ID` alone must continue the run as it was configured (not switch
+    to the defaults); `resume=ID trainer.total_steps=200` extends it.
+    """
+    from stapoctl.config.compose import compose_config, to_flat_dict
+
+    saved = state.get("config")
+    if not saved:
+        return conf
+    defaults = to_flat_dict(compose_config([f"experiment={conf.experiment}"]))
+    current = to_flat_dict(conf)
+    merged = OmegaConf.create(saved)
+    OmegaConf.set_struct(merged, False)
+    for key, value in current.items():
+        if key != "resume" and key in defaults and defaults[key] != value:
+            OmegaConf.update(merged, key, value, force_add=True)
+    if current.get("loss.name") != defaults.get("loss.name") and merged.loss.name != conf.loss.name:
+        merged.loss = OmegaConf.to_container(conf.loss, resolve=True)  # another loss: its fields only
+    merged.resume = conf.resume
+    return merged
+
+
+def fingerprint(*tensors) -> float:
+    """A 24-bit hash of tensors, exact as an MLflow float: equal batches ⇔ equal numbers (w.h.p.)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().numpy().tobytes())
+    return float(int(h.hexdigest()[:6], 16))
+
+
+# -- one step --------------------------------------------------------------------------------
+class StepRunner:
+    """The per-step stages, separated so tests can run (or skip) each one."""
+
+    def __init__(self, conf: DictConfig, engines, scorer, data: "TrainData"):
+        self.conf, self.engines, self.scorer, self.data = conf, engines, scorer, data
+        self.prompt_ids, self.answers, self.questions = data.prompt_ids, data.answers, data.questions
+        self.loss_cfg = OmegaConf.to_container(conf.loss, resolve=True)
+        self.pad_id = int(engines.info.get("pad_token_id") or 0)
+
+    def rollout(self, indices: list[int], step: int):
+        import ray
+
+        from stapoctl.trainer.batch import RolloutBatch
+
+        r = self.conf.rollout
+        t0 = time.perf_counter()
+        workers = self.engines.workers
+        per = -(-len(indices) // len(workers))
+        refs = []
+        for j, w in enumerate(workers):
+            block = indices[j * per : (j + 1) * per]
+            if not block:
+                continue
+            refs.append(w.rollout.remote(
+                [self.prompt_ids[i] for i in block], n=int(r.n), temperature=float(r.temperature),
+                top_p=float(r.top_p), max_tokens=int(r.max_response_length),
+                seed=int(self.conf.trainer.seed) * 100_000 + step + 7_919 * j,
+                pad_id=self.pad_id, group_offset=j * per, prompt_index=block,
+            ))
+        parts = ray.get(refs)
+        batch = RolloutBatch.concat([p[0] for p in parts], pad_id=self.pad_id)
+        gen_s = time.perf_counter() - t0
+        tokens = sum(p[1]["tokens"] for p in parts)
+        return batch, {"timing_s/gen": gen_s, "perf/gen_tokens_per_s": tokens / max(gen_s, 1e-9)}
+
+    def score(self, batch):
+        import torch
+
+        from stapoctl.losses import compute_advantages
+
+        t0 = time.perf_counter()
+        rows = batch.prompt_index.tolist()
+        rewards, stats = self.scorer.score(batch.texts, [self.answers[i] for i in rows],
+                                           [self.questions[i] for i in rows])
+        rewards_t = torch.as_tensor(rewards, dtype=torch.float32)
+        adv = compute_advantages(self.loss_cfg["name"], rewards_t, batch.group_ids, **self.loss_cfg)
+        batch = batch.with_(rewards=rewards_t, advantages=adv)
+        metrics = dict(stats)
+        metrics["timing_s/reward"] = time.perf_counter() - t0
+        return batch, metrics
+
+    def update(self, batch, step: int) -> dict:
+        m = self.engines.call_learners("train_step", batch, step, str(self.conf.rollout.old_logprob_source))
+        self._last_old = m.pop("_old_log_probs", None)
+        self._last_entropy = m.pop("_entropy", None)
+        return m
+
+    def sync(self) -> dict:
+        return self.engines.sync.push()
+
+    def run(self, indices: list[int], step: int, *, do_sync: bool = True) -> tuple[Any, dict]:
+        t0 = time.perf_counter()
+        batch, m_gen = self.rollout(indices, step)
+        batch, m_rew = self.score(batch)
+        m_upd = self.update(batch, step)
+        m_sync = self.sync() if do_sync else {}
+        metrics = {**m_gen, **m_rew, **m_upd, **m_sync}
+        metrics.update(batch_metrics(batch, self.conf))
+        metrics["timing_s/step"] = time.perf_counter() - t0
+        return batch, metrics
+
+
+def batch_metrics(batch, conf: DictConfig) -> dict[str, float]:
+    """verl-style rollout statistics of a scored batch."""
+    import torch
+
+    rewards, adv = batch.rewards, batch.advantages
+    lengths = batch.response_lengths().float()
+    correct = (rewards > 0).float()
+    groups = batch.group_ids
+    uniq = torch.unique(groups)
+    solve_all = solve_none = 0
+    for g in uniq.tolist():
+        c = correct[groups == g]
+        solve_all += int(bool(c.all()))
+        solve_none += int(not bool(c.any()))
+    boxed = sum("\\boxed{" in t for t in batch.texts) / max(len(batch.texts), 1)
+    return {
+        "critic/score/mean": float(rewards.mean()),
+        "critic/score/max": float(rewards.max()),
+        "critic/score/min": float(rewards.min()),
+        "critic/rewards/mean": float(rewards.mean()),
+        "critic/advantages/mean": float(adv.float().mean()),
+        "critic/advantages/max": float(adv.max()),
+        "critic/advantages/min": float(adv.min()),
+        "reward/accuracy": float(correct.mean()),
+        "reward/boxed_rate": boxed,
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "response_length/clip_ratio": float(batch.truncated.float().mean()),
+        "prompt_length/mean": float(batch.prompt_mask.sum(1).float().mean()),
+        "batch/solve_all": solve_all / max(len(uniq), 1),
+        "batch/solve_none": solve_none / max(len(uniq), 1),
+        "batch/fingerprint": fingerprint(batch.prompt_index, batch.response_ids),
+        "batch/prompts_fingerprint": fingerprint(batch.prompt_index),
+    }
+
+
+# -- the run -----------------------------------------------------------------------------------
+@dataclass
+class TrainData:
+    """Everything the loop reads per step, tokenised once."""
+
+    tokenizer: Any
+    prompt_ids: list
+    answers: list[str]
+    questions: list[str]
+    val_sets: dict  # bench → (eval Problems, k)
+
+
+def prepare_data(conf: DictConfig, tokenizer_path: str, console: Console) -> TrainData:
+    from transformers import AutoTokenizer
+
+    from stapoctl.trainer.engines import max_model_len
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    rows = load_rows(TRAIN_DATA.get(conf.data.name, conf.data.name), conf, tokenizer_path)
+    ids, rows = tokenize_prompts(rows, tokenizer, int(conf.data.max_prompt_length), "training", console)
+    val_sets = validation_sets(conf, tokenizer, tokenizer_path, max_model_len(conf, tokenizer_path))
+    return TrainData(tokenizer, ids, [str(r["answer"]) for r in rows],
+                     [str(r.get("problem", r["prompt"])) for r in rows], val_sets)
+
+
+@contextlib.contextmanager
+def running_engines(conf: DictConfig, policy_path: str, resume_dir: Optional[Path], console: Console):
+    """Engines + verifier pool for the run's duration; always shut down (vLLM first, then Ray)."""
+    import ray
+
+    from stapoctl.reward.pool import RewardPool
+    from stapoctl.trainer.engines import start_engines
+
+    ray_was_up = ray.is_initialized()
+    scorer = RewardPool(conf.reward)
+    engines = None
+    try:
+        with console.status(f"starting Ray, {conf.rollout.num_workers} vLLM rollout actor(s) and the "
+                            f"DeepSpeed learner (ZeRO-{conf.learner.zero_stage})…"):
+            engines = start_engines(conf, policy_path, console)
+            if resume_dir:
+                engines.call_learners("load", str(resume_dir))
+        info = engines.info
+        console.print(f"engines up in {info['engines_s']:.0f} s (vLLM {info['vllm_init_s']:.0f} s, learner "
+                      f"{info['learner_setup_s']:.0f} s, in parallel); weight sync: {info['sync_method']}")
+        yield engines, scorer
+    finally:
+        if engines is not None:
+            engines.shutdown()
+        scorer.close()
+        if not ray_was_up:  # a Ray the caller started (a notebook, a test session) stays up
+            from stapoctl.launch.ray_runtime import shutdown_ray
+
+            shutdown_ray()
+
+
+def train(conf: DictConfig, console: Optional[Console] = None) -> dict:
+    """Run (or resume) a training run; returns a summary (run id, run dir, first/final metrics)."""
+    import mlflow
+
+    from stapoctl.models.tiny import base_eval
+    from stapoctl.tracking import mlflow_run
+    from stapoctl.trainer import checkpoint
+    from stapoctl.trainer.sampler import PromptSampler
+
+    console = console or Console()
+    check_config(conf)
+    _quiet_engine_logs()
+    uri = mlflow_run.tracking_uri(conf.tracking.uri)
+    console.print(f"[bold]MLflow store:[/] {uri}  (experiment '{conf.tracking.experiment}')")
+
+    resume_dir: Optional[Path] = None
+    state: dict = {}
+    if conf.resume:
+        resume_dir = checkpoint.resolve_resume(str(conf.resume), conf.tracking.uri)
+        state = checkpoint.read_trainer_state(resume_dir)
+        console.print(f"resuming from {resume_dir} (step {state['step']}, MLflow run {state['mlflow_run_id']})")
+        conf = resume_config(conf, state)
+    base_model = state["base_model"] if state else resolve_policy(conf, console)
+    policy_path = str(resume_dir / "model") if resume_dir else base_model
+    data = prepare_data(conf, policy_path, console)
+    sampler = PromptSampler(len(data.prompt_ids), int(conf.data.train_batch_size),
+                            seed=int(conf.data.seed), shuffle=bool(conf.data.shuffle))
+    if state:
+        sampler.load_state_dict(state["sampler"])
+        checkpoint.set_rng_state(state.get("rng", {}))
+
+    tags = {"stapoctl.kind": "train", "stapoctl.experiment": str(conf.experiment), "stapoctl.loss": str(conf.loss.name)}
+    run_name = conf.tracking.run_name or f"{conf.experiment}-{conf.loss.name}-seed{conf.trainer.seed}"
+    with mlflow_run.start_run(uri=conf.tracking.uri, experiment=conf.tracking.experiment, run_name=run_name,
+                              run_id=state.get("mlflow_run_id"), tags=tags) as run:
+        run_id = run.info.run_id
+        run_dir = Path(state["run_dir"]) if state else Path(conf.trainer.output_dir or paths.home() / "runs" / run_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        mlflow.set_tag("stapoctl.run_dir", str(run_dir))
+        base = base_eval(base_model)
+        if state:
+            mlflow.set_tag("stapoctl.resumed_from", str(resume_dir))
+        else:
+            mlflow_run.log_config(conf)
+            mlflow.set_tags({**mlflow_run.env_snapshot(), "stapoctl.base_model": base_model})
+            if base:
+                mlflow_run.log_metrics({"base/toy/accuracy_t1": base.get("accuracy_t1"),
+                                        "base/toy/accuracy_greedy": base.get("accuracy_greedy")}, step=0)
+        console.print(f"MLflow run {run_id} · run dir {run_dir}")
+        with running_engines(conf, policy_path, resume_dir, console) as (engines, scorer):
+            mlflow.set_tag("stapoctl.weight_sync", engines.info["sync_method"])
+            loop = Loop(conf, StepRunner(conf, engines, scorer, data), sampler, run_id, run_dir, base_model,
+                        policy_path)
+            summary = loop.run(int(state.get("step", 0)), console)
+    summary.update(run_id=run_id, run_dir=str(run_dir), tracking_uri=uri)
+    if base:
+        summary["base_accuracy_t1"] = base.get("accuracy_t1")
+    _print_summary(summary, console)
+    return summary
+
+
+def _quiet_engine_logs() -> None:
+    """DeepSpeed announces its accelerator when imported (for the env snapshot): say it up front."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@dataclass
+class Loop:
+    conf: DictConfig
+    runner: "StepRunner"
+    sampler: Any
+    run_id: str
+    run_dir: Path
+    base_model: str
+    tokenizer_dir: str
+
+    def run(self, start_step: int, console: Console) -> dict:
+        """Steps start_step+1 … total: step, validate when due, log, checkpoint when due."""
+        import mlflow
+
+        from stapoctl.tracking import mlflow_run
+        from stapoctl.trainer.live_view import LiveView
+
+        conf, runner = self.conf, self.runner
+        total = int(conf.trainer.total_steps)
+        val_every, save_freq = int(conf.eval.every_n_steps or 0), int(conf.trainer.save_freq or 0)
+        val_sets = runner.data.val_sets
+        last: dict = {}
+        first_val: dict = {}
+        with LiveView(console, total, start_step, title=f"{conf.experiment} · {conf.loss.name}") as view:
+            if val_sets and start_step == 0 and conf.trainer.val_before_train:
+                view.status("validating the starting policy")
+                first_val = _validate(conf, runner.engines, runner.scorer, val_sets, 0)
+                mlflow_run.log_metrics(first_val, step=0)
+                view.step(0, first_val)
+            for step in range(start_step + 1, total + 1):
+                view.status("rollout → reward → update → sync")
+                batch, metrics = runner.run(self.sampler.next_batch(), step)
+                if val_sets and (step % val_every == 0 or step == total):
+                    view.status("validating")
+                    metrics.update(_validate(conf, runner.engines, runner.scorer, val_sets, step))
+                    _log_samples(conf, batch, step)
+                mlflow_run.log_metrics(metrics, step=step)
+                mlflow.set_tag("stapoctl.step", str(step))
+                view.step(step, metrics)
+                last = metrics
+                if save_freq > 0 and (step % save_freq == 0 or step == total):
+                    view.status("checkpoint")
+                    _save(runner.engines, self.run_dir, step, self.sampler, self.run_id, self.base_model,
+                          self.tokenizer_dir, conf)
+        out: dict[str, Any] = {"steps": total, "final": dict(last)}
+        if first_val:
+            out["first_val"] = first_val
+        return out
+
+
+def _validate(conf, engines, scorer, val_sets, step: int) -> dict:
+    """Held-out problems through the rollout actors (the weights just synced), eval's metrics."""
+    from stapoctl.eval.benches import select_decodings
+    from stapoctl.eval.runner import validation_metrics
+
+    t0 = time.perf_counter()
+    out: dict[str, float] = {}
+    for bench, (problems, k) in val_sets.items():
+        out.update(validation_metrics(
+            engines.workers, scorer, problems, bench=bench, decodings=select_decodings(conf.eval.decoding),
+            k=k, max_tokens=int(conf.eval.max_response_length),
+            seed=int(conf.trainer.seed) * 100_000 + 50_000 + step,
+        ))
+    out["timing_s/val"] = time.perf_counter() - t0
+    return out
+
+
+def validation_sets(conf: DictConfig, tokenizer, tokenizer_path: str, model_len: int) -> dict:
+    """bench → (problems, k) for periodic validation; empty when eval.every_n_steps is 0."""
+    if int(conf.eval.every_n_steps or 0) <= 0:
+        return {}
+    from stapoctl.eval.benches import expand_benches, samples_per_problem
+    from stapoctl.eval.runner import prepare_problems
+
+    out = {}
+    for bench in expand_benches(list(conf.eval.benches)):
+        rows = load_rows(bench, conf, tokenizer_path)
+        out[bench] = (prepare_problems(rows, tokenizer, model_len), samples_per_problem(bench, conf.eval.k))
+    return out
+
+
+def _log_samples(conf, batch, step: int) -> None:
+    import mlflow
+
+    n = int(conf.trainer.log_samples or 0)
+    if n <= 0:
+        return
+    lines = []
+    for k in range(min(n, len(batch))):
+        lines.append(f"### reward {float(batch.rewards[k]):+.0f}\n{batch.texts[k]}\n")
+    mlflow.log_text("\n".join(lines), f"samples/step_{step:06d}.md")
+
+
+def _save(engines, run_dir: Path, step: int, sampler, run_id: str, base_model: str, tokenizer_dir: str,
+          conf: DictConfig) -> Path:
+    import ray
+
+    from stapoctl.trainer import checkpoint
+
+    def payload(tmp: Path) -> None:
+        ray.get([h.save.remote(str(tmp), tokenizer_dir) for h in engines.learners])
+
+    state = {
+        "step": step,
+        "sampler": sampler.state_dict(),
+        "rng": checkpoint.rng_state(),
+        "mlflow_run_id": run_id,
+        "run_dir": str(run_dir),
+        "base_model": base_model,
+        "saved_at": time.time(),
+        "config": OmegaConf.to_container(conf, resolve=True),
+    }
+    return checkpoint.save(run_dir, step, payload, state)
+
+
+def _print_summary(summary: dict, console: Console) -> None:
+    final = summary.get("final", {})
+    val = next((v for k, v in final.items() if k.startswith("val/") and "/avg_at_" in k), None)
+    first = next((v for k, v in summary.get("first_val", {}).items() if k.startswith("val/") and "/avg_at_" in k), None)
+    parts = [f"run {summary.get('run_id')}", f"{summary.get('steps')} steps"]
+    if summary.get("base_accuracy_t1") is not None:
+        parts.append(f"base model toy acc (T=1.0) {summary['base_accuracy_t1']:.1%}")
+    if first is not None:
+        parts.append(f"step 0 val {first:.1%}")
+    if val is not None:
+        parts.append(f"final val {val:.1%}")
+    console.print("[bold green]done[/] · " + " · ".join(parts))
+    console.print(f"checkpoints: {summary.get('run_dir')}/checkpoints · resume with "
+                  f"`stapoctl train resume={summary.get('run_id')}`")

@@ -1,0 +1,181 @@
+"""The trainer's engine-free parts: batch layout, prompt sampling, checkpoint files, config checks.
+
+Each test states the numbers it expects; none starts Ray, vLLM or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from stapoctl.errors import UserError
+from stapoctl.trainer.batch import RolloutBatch
+
+
+def small_batch(pad=0, offset=0):
+    # prompt 0 = [11, 12, 13] with responses [21] and [22, 23]; prompt 1 = [14] with [24, 25, 26] and []
+    return RolloutBatch.from_token_lists(
+        [[11, 12, 13], [14]],
+        [[[21], [22, 23]], [[24, 25, 26], []]],
+        [[[-0.5], [-0.1, -0.2]], [[-1.0, -2.0, -3.0], []]],
+        [[False, True], [True, False]],
+        [["a", "b"], ["c", "d"]],
+        pad_id=pad,
+        group_offset=offset,
+        prompt_index=[7, 3],
+    )
+
+
+def test_rollout_batch_pads_prompts_left_and_responses_right():
+    b = small_batch(pad=0)
+    assert b.prompt_ids.tolist() == [[11, 12, 13]] * 2 + [[0, 0, 14]] * 2
+    assert b.response_ids.tolist() == [[21, 0, 0], [22, 23, 0], [24, 25, 26], [0, 0, 0]]
+    assert b.response_mask.sum(1).tolist() == [1, 2, 3, 0]
+    assert b.rollout_log_probs[2].tolist() == [-1.0, -2.0, -3.0]
+    assert b.group_ids.tolist() == [0, 0, 1, 1] and b.prompt_index.tolist() == [7, 7, 3, 3]
+    assert b.truncated.tolist() == [False, True, True, False]
+    # positions count real tokens only: the left-padded prompt 1 starts at 0
+    assert b.position_ids()[2].tolist() == [0, 0, 0, 1, 2, 3]
+    assert b.position_ids()[0].tolist() == [0, 1, 2, 3, 3, 3]
+
+
+def test_rollout_batch_concat_and_select_keep_rows_aligned():
+    a = small_batch(offset=0)
+    c = RolloutBatch.from_token_lists([[9, 9, 9, 9, 9]], [[[31, 32, 33, 34]]], [[[-0.3] * 4]], [[False]],
+                                      [["e"]], pad_id=0, group_offset=2, prompt_index=[5])
+    both = RolloutBatch.concat([a, c], pad_id=0)
+    assert both.prompt_ids.shape == (5, 5) and both.response_ids.shape == (5, 4)
+    assert both.prompt_ids[0].tolist() == [0, 0, 11, 12, 13]
+    assert both.response_ids[4].tolist() == [31, 32, 33, 34]
+    assert both.group_ids.tolist() == [0, 0, 1, 1, 2] and both.texts == ["a", "b", "c", "d", "e"]
+    sub = both.select([4, 1])
+    assert sub.texts == ["e", "b"] and sub.group_ids.tolist() == [2, 0]
+    assert torch.equal(sub.response_ids[1], both.response_ids[1])
+
+
+def test_sampler_is_deterministic_and_resumes_exactly():
+    from stapoctl.trainer.sampler import PromptSampler
+
+    a = PromptSampler(10, 4, seed=3)
+    drawn = [a.next_batch() for _ in range(5)]  # 20 rows = 2 epochs exactly
+    assert sorted(drawn[0] + drawn[1] + drawn[2][:2]) == list(range(10)), "epoch 0 is a permutation"
+    assert a.state_dict() == {"epoch": 2, "position": 0}
+    b = PromptSampler(10, 4, seed=3)
+    b.next_batch(), b.next_batch()
+    saved = b.state_dict()
+    c = PromptSampler(10, 4, seed=3)
+    c.load_state_dict(saved)
+    assert [c.next_batch() for _ in range(3)] == drawn[2:]
+    assert PromptSampler(10, 4, seed=4).next_batch() != drawn[0]
+    assert PromptSampler(10, 4, seed=3, shuffle=False).next_batch() == [0, 1, 2, 3]
+
+
+def test_checkpoint_save_is_atomic_and_latest_points_at_the_newest(tmp_path):
+    from stapoctl.trainer import checkpoint
+
+    def payload(d):
+        (d / "model").mkdir()
+        (d / "model" / "config.json").write_text("{}")
+
+    checkpoint.save(tmp_path, 2, payload, {"step": 2})
+    checkpoint.save(tmp_path, 4, payload, {"step": 4})
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_000004"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000004"]
+
+    def crash(d):
+        (d / "model").mkdir()
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        checkpoint.save(tmp_path, 6, crash, {"step": 6})
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000004"]
+    assert checkpoint.resolve_resume(str(tmp_path)).name == "step_000004"
+    assert checkpoint.resolve_resume(str(root / "step_000002")).name == "step_000002"
+    assert json.loads((root / "step_000002" / "trainer_state.json").read_text()) == {"step": 2}
+    with pytest.raises(UserError, match="resume=.*no checkpoint"):
+        checkpoint.resolve_resume(str(tmp_path / "checkpoints" / "step_000002" / "model"))
+    with pytest.raises(UserError, match="32-hex MLflow run id"):
+        checkpoint.resolve_resume("not-a-run")
+
+
+def test_rng_state_round_trips():
+    import random
+
+    from stapoctl.trainer import checkpoint
+
+    state = json.loads(json.dumps(checkpoint.rng_state()))
+    expected = (random.random(), torch.rand(3).tolist())
+    checkpoint.set_rng_state(state)
+    assert (random.random(), torch.rand(3).tolist()) == expected
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.train_batch_size=6", "learner.ppo_mini_batch_size=4"], "learner.ppo_mini_batch_size=4"),
+        (["rollout.n=0"], "rollout.n=0"),
+        (["trainer.total_steps=0"], "trainer.total_steps=0"),
+        (["learner.micro_batch_size=48"], "learner.micro_batch_size=48"),
+        (["learner.offload_optimizer=true"], "learner.offload_optimizer=true needs learner.zero_stage"),
+        (["rollout.weight_sync=nccl"], None),  # checked where the hardware is known (below)
+    ],
+)
+def test_config_errors_name_the_field(overrides, message):
+    from stapoctl.config.compose import compose_config
+    from stapoctl.trainer.driver import check_config
+
+    conf = compose_config(overrides)
+    if message is None:
+        check_config(conf)
+        return
+    with pytest.raises(UserError, match=message.replace(".", r"\.")):
+        check_config(conf)
+
+
+def test_weight_sync_method_choice():
+    from stapoctl.sync.transfer import choose_method
+
+    assert choose_method("auto", on_gpu=False, placement="disaggregated") == "object_store"
+    assert choose_method("auto", on_gpu=True, placement="colocated") == "ipc"
+    assert choose_method("auto", on_gpu=True, placement="disaggregated") == "nccl"
+    with pytest.raises(UserError, match="rollout.weight_sync='nccl' needs GPUs"):
+        choose_method("nccl", on_gpu=False, placement="disaggregated")
+
+
+def test_request_seeds_differ_per_prompt_and_step():
+    from stapoctl.rollout.vllm_engine import request_seeds
+
+    seeds = request_seeds(7, 3, n=8)
+    # vLLM gives child j of a request seed + j: prompts must be n apart to never share a stream
+    assert seeds[1] - seeds[0] == 8 and seeds[2] - seeds[1] == 8
+    assert request_seeds(8, 3, n=8)[0] not in range(seeds[0], seeds[2] + 8)
+    assert request_seeds(None, 2, n=8) == [None, None]
+
+
+def test_resume_keeps_the_runs_config_and_applies_new_overrides():
+    from omegaconf import OmegaConf
+
+    from stapoctl.config.compose import compose_config
+    from stapoctl.trainer.driver import resume_config
+
+    original = compose_config(["loss=grpo", "learner.lr=3e-5"])
+    state = {"config": OmegaConf.to_container(original, resolve=True)}
+    plain = resume_config(compose_config(["resume=/x"]), state)
+    assert plain.loss.name == "grpo" and plain.learner.lr == 3e-5 and plain.resume == "/x"
+    extended = resume_config(compose_config(["resume=/x", "trainer.total_steps=200"]), state)
+    assert extended.trainer.total_steps == 200 and extended.loss.name == "grpo"
+
+
+def test_packed_weights_round_trip_bit_exactly():
+    """The multiprocess-engine fallback of the CPU sync: bytes + dtype + shape, no tensor pickling."""
+    from stapoctl.sync.worker_extension import _unpack, pack_for_rpc
+
+    named = [("w", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("s", torch.tensor(2.5))]
+    packed = pack_for_rpc(named)
+    assert all(isinstance(raw, bytes) for _, raw, _, _ in packed)
+    for (name, t), item in zip(named, packed):
+        got_name, got = _unpack(item)
+        assert got_name == name and got.dtype == t.dtype and torch.equal(got, t)
