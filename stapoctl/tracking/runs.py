@@ -38,11 +38,12 @@ def list_runs(uri: str | None, experiment: str, console: Console, max_results: i
         )
     runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=max_results)
     table = Table(title=f"runs in '{experiment}' ({tracking_uri(uri)})")
-    for col in ("run id", "name", "kind", "loss", "status", "steps", "score", "val acc"):
+    table.add_column("run id", no_wrap=True, min_width=32)
+    for col in ("name", "kind", "loss", "status", "steps", "score", "val acc"):
         table.add_column(col)
     for run in runs:
         m, p, t = run.data.metrics, run.data.params, run.data.tags
-        val = next((f"{v:.3f}" for k, v in sorted(m.items()) if k.startswith("val/") and "avg@" in k), "")
+        val = next((f"{v:.3f}" for k, v in sorted(m.items()) if k.startswith("val/") and "/avg_at_" in k), "")
         table.add_row(
             run.info.run_id,
             run.info.run_name or "",
