@@ -1,0 +1,125 @@
+"""Answer equivalence: string normalization first, then math-verify's symbolic comparison.
+
+`is_equivalent` is safe to call anywhere (main thread, other threads, Ray actors): whenever the
+symbolic check is needed it runs in a verifier subprocess with a hard deadline, because
+math-verify's own timeout uses SIGALRM and silently does nothing off the main thread.
+`equivalent_unbounded` is the raw check that those subprocesses run.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from fractions import Fraction
+from functools import lru_cache
+
+# math-verify logs a warning on every call made with its signal timeout disabled.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+DEFAULT_TIMEOUT_S = 5.0
+
+_TEXT_WRAPPERS = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+_UNIT_WORDS = (
+    r"degrees?|deg|cm|mm|km|m|meters?|inches|inch|in|feet|foot|ft|units?|sq|square|"
+    r"seconds?|sec|s|minutes?|min|hours?|hrs?|days?|dollars?|cents?|kg|g|grams?|lbs?|pounds?|mph|"
+    r"liters?|ml|cups?|miles?"
+)
+_TRAILING_UNITS = re.compile(rf"(?<=[\d}}\s])\s*(?:\^\s*\{{?\s*[23]\s*\}}?)?\s*(?:{_UNIT_WORDS})\s*(?:\^\s*\{{?\s*[23]\s*\}}?)?$")
+_THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_NUMBER = re.compile(r"^-?\d+(?:\.\d+)?$")
+_ASSIGNMENT = re.compile(r"^\s*[A-Za-z](?:_\{?\w+\}?)?\s*=\s*(?P<rhs>[^=]+)$")
+
+
+def normalize(answer: str) -> str:
+    """Canonical string form: layout-only LaTeX removed, units and separators dropped."""
+    s = answer.strip()
+    s = s.replace("\n", " ")
+    s = re.sub(r"\\left\b|\\right\b", "", s)
+    s = re.sub(r"\\[!,;: ]|\\quad|\\qquad", "", s)  # spacing commands (\, also thin space in 1\,000)
+    s = s.replace("{,}", ",")  # 1{,}000
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = s.replace("\\displaystyle", "")
+    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?", "", s)  # 30^\circ, 30^{\circ}
+    s = s.replace("°", "").replace("\\%", "").replace("%", "").replace("\\$", "")
+    s = s.strip("$ ")
+    # unwrap \text{...} etc. (repeat for nesting), keeping the words
+    for _ in range(3):
+        s = _TEXT_WRAPPERS.sub(lambda m: m.group(1), s)
+    s = _TRAILING_UNITS.sub("", s).strip()
+    s = s.rstrip(".").strip()
+    if _THOUSANDS.match(s.replace(" ", "")):
+        s = s.replace(",", "").replace(" ", "")
+    s = re.sub(r"\s+", " ", s).strip()
+    return s
+
+
+def _strip_assignment(pred: str, ref: str) -> str:
+    """'x = 5' against a reference without '=' compares the right-hand side."""
+    if "=" in ref:
+        return pred
+    m = _ASSIGNMENT.match(pred)
+    return m.group("rhs").strip() if m else pred
+
+
+def _squash(s: str) -> str:
+    return re.sub(r"\s+", "", s).lower()
+
+
+def quick_verdict(predicted: str | None, reference: str) -> bool | None:
+    """True/False when strings alone decide; None when a symbolic check is needed."""
+    if predicted is None:
+        return False
+    pred, ref = normalize(predicted), normalize(reference)
+    if not pred or not ref:
+        return False
+    pred = normalize(_strip_assignment(pred, ref))
+    if _squash(pred) == _squash(ref):
+        return True
+    if _NUMBER.match(pred) and _NUMBER.match(ref):  # two plain numbers: exact rational compare
+        return Fraction(pred) == Fraction(ref)
+    return None
+
+
+@lru_cache(maxsize=8192)
+def _parse(expr: str):
+    """math-verify parse of one normalized answer, cached (a reference is shared by a whole group)."""
+    from math_verify import parse
+    from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
+
+    configs = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    return parse(f"${expr}$", extraction_config=configs, parsing_timeout=None)
+
+
+def equivalent_unbounded(predicted: str | None, reference: str) -> bool:
+    """The full check with no time limit: run it only where a deadline is enforced around it."""
+    quick = quick_verdict(predicted, reference)
+    if quick is not None:
+        return quick
+    from math_verify import verify
+
+    ref = normalize(reference)
+    pred = normalize(_strip_assignment(normalize(predicted or ""), ref))
+    gold, target = _parse(ref), _parse(pred)
+    if not gold or not target:
+        return False
+    try:
+        return bool(verify(gold, target, timeout_seconds=None))
+    except Exception:  # a malformed expression sympy cannot compare is simply not equal
+        return False
+
+
+def is_equivalent(predicted: str | None, reference: str, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> bool:
+    """Whether a predicted final answer matches the reference (False on timeout).
+
+    String-decidable cases return at once; the rest go to a shared verifier subprocess with a
+    hard `timeout_s` deadline (timeout_s=None: in-process, no limit).
+    """
+    quick = quick_verdict(predicted, reference)
+    if quick is not None:
+        return quick
+    if timeout_s is None:
+        return equivalent_unbounded(predicted, reference)
+    from stapoctl.reward.pool import shared_checker
+
+    verdict, _timed_out = shared_checker().check(predicted or "", reference, timeout_s)
+    return verdict

@@ -1,0 +1,265 @@
+"""Parallel, deadline-bounded answer checking: the reward path of training and evaluation.
+
+A persistent set of verifier subprocesses (`verify_server`) checks answers in parallel. Each
+check has a hard wall-clock limit enforced by the parent, which kills a stuck child and starts
+a replacement: this works from any thread and inside Ray actors, unlike math-verify's
+SIGALRM timeout (main thread only; elsewhere it silently never fires).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from stapoctl.reward.equivalence import DEFAULT_TIMEOUT_S, quick_verdict
+from stapoctl.reward.extract import extract_answer
+
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+_READY_TIMEOUT_S = 180.0  # importing sympy on a busy 2-core machine can take a while
+
+
+@dataclass
+class Verdict:
+    """One response judged against its reference: auditable in the eval JSONL."""
+
+    extracted: str | None
+    correct: bool
+    timed_out: bool = False
+
+
+class _Child:
+    """One verifier subprocess and its line-buffered reply stream."""
+
+    def __init__(self, max_memory_gb: float):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["STAPOCTL_VERIFY_MAX_GB"] = str(max_memory_gb)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "stapoctl.reward.verify_server"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            close_fds=True,
+        )
+        self.fd = self.proc.stdout.fileno()
+        self.buffer = b""
+        self.ready = False
+        self.started = time.monotonic()
+        self.task: int | None = None  # index of the check in flight
+        self.deadline = 0.0
+
+    def send(self, index: int, pred: str, ref: str, timeout_s: float) -> None:
+        self.task = index
+        self.deadline = time.monotonic() + timeout_s
+        self.proc.stdin.write((json.dumps({"id": index, "pred": pred, "ref": ref}) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def read_lines(self) -> list[dict]:
+        chunk = os.read(self.fd, 65536)
+        if not chunk:
+            raise RuntimeError(f"verifier subprocess exited (code {self.proc.poll()})")
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+
+class EquivalenceChecker:
+    """N verifier subprocesses with a per-check deadline; thread-safe; started lazily."""
+
+    def __init__(self, num_workers: int = 2, max_memory_gb: float = 4.0):
+        self.num_workers = max(1, int(num_workers))
+        self.max_memory_gb = max_memory_gb
+        self.timeouts = 0  # total over the checker's life
+        self.restarts = 0
+        self._children: list[_Child] = []
+        self._lock = threading.Lock()
+
+    def _ensure_children(self) -> None:
+        self._children = [c for c in self._children if c.proc.poll() is None]
+        while len(self._children) < self.num_workers:
+            self._children.append(_Child(self.max_memory_gb))
+
+    def check(self, predicted: str, reference: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[bool, bool]:
+        """(equivalent, timed_out) for one pair."""
+        return self.check_many([(predicted, reference)], timeout_s)[0]
+
+    def check_many(
+        self, pairs: Sequence[tuple[str, str]], timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> list[tuple[bool, bool]]:
+        """(equivalent, timed_out) per pair; a check past `timeout_s` counts as not equivalent."""
+        results: list[tuple[bool, bool] | None] = [None] * len(pairs)
+        pending = []
+        for i, (pred, ref) in enumerate(pairs):
+            quick = quick_verdict(pred, ref)
+            if quick is None:
+                pending.append(i)
+            else:
+                results[i] = (quick, False)
+        if pending:
+            with self._lock:
+                self._run(pairs, pending, results, timeout_s)
+        return results  # type: ignore[return-value]
+
+    def _run(self, pairs, pending: list[int], results: list, timeout_s: float) -> None:
+        self._ensure_children()
+        queue = list(reversed(pending))
+        while queue or any(c.task is not None for c in self._children):
+            for child in self._children:
+                if child.ready and child.task is None and queue:
+                    i = queue.pop()
+                    child.send(i, pairs[i][0], pairs[i][1], timeout_s)
+            now = time.monotonic()
+            waits = [c.deadline - now for c in self._children if c.task is not None]
+            waits += [c.started + _READY_TIMEOUT_S - now for c in self._children if not c.ready]
+            readable, _, _ = select.select([c.fd for c in self._children], [], [], max(0.0, min(waits)))
+            for child in list(self._children):
+                if child.fd in readable:
+                    try:
+                        messages = child.read_lines()
+                    except RuntimeError:
+                        messages = None
+                    if messages is None:  # died (e.g. out of memory): the check in flight fails
+                        self._replace(child, results, timed_out=False)
+                        continue
+                    for msg in messages:
+                        if msg.get("ready"):
+                            child.ready = True
+                        elif msg.get("id") == child.task:
+                            results[child.task] = (bool(msg["ok"]), False)
+                            child.task = None
+            now = time.monotonic()
+            for child in list(self._children):
+                if child.task is not None and now > child.deadline:
+                    self.timeouts += 1
+                    self._replace(child, results, timed_out=True)
+                elif not child.ready and now > child.started + _READY_TIMEOUT_S:
+                    child.kill()
+                    raise RuntimeError(
+                        f"verifier subprocess did not start within {_READY_TIMEOUT_S:.0f}s "
+                        f"({sys.executable} -m stapoctl.reward.verify_server)"
+                    )
+
+    def _replace(self, child: _Child, results: list, timed_out: bool) -> None:
+        if child.task is not None:
+            results[child.task] = (False, timed_out)
+        child.kill()
+        self._children.remove(child)
+        self._children.append(_Child(self.max_memory_gb))
+        self.restarts += 1
+
+    def close(self) -> None:
+        """Stop every subprocess (also done at interpreter exit)."""
+        for child in self._children:
+            child.kill()
+        self._children = []
+
+    def __getstate__(self):  # ship the settings, not the processes, into Ray actors
+        return {"num_workers": self.num_workers, "max_memory_gb": self.max_memory_gb}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+
+_shared: EquivalenceChecker | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_checker() -> EquivalenceChecker:
+    """The process-wide single-worker checker behind `is_equivalent` (started on first use)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = EquivalenceChecker(num_workers=1)
+            atexit.register(_shared.close)
+        return _shared
+
+
+class RewardPool:
+    """Scores responses against references with the DAPO rule (and the model verifier if set)."""
+
+    name = "dapo_rule_verifier"  # logged by the trainer as the reward scorer
+
+    def __init__(self, reward_cfg):
+        self.correct = float(reward_cfg.correct)
+        self.incorrect = float(reward_cfg.incorrect)
+        self.timeout_s = float(reward_cfg.verify_timeout_s)
+        if self.timeout_s <= 0:
+            from stapoctl.errors import UserError
+
+            raise UserError(f"reward.verify_timeout_s must be > 0 (got {self.timeout_s}): set e.g. reward.verify_timeout_s=5")
+        self.checker = EquivalenceChecker(
+            num_workers=int(reward_cfg.num_workers),
+            max_memory_gb=float(getattr(reward_cfg, "verify_max_memory_gb", 4.0)),
+        )
+        self.model_verifier = None
+        if getattr(reward_cfg, "model_verifier", None):
+            from stapoctl.reward.model_verifier import ModelVerifier
+
+            self.model_verifier = ModelVerifier.from_config(reward_cfg)
+        atexit.register(self.close)
+
+    def judge(
+        self,
+        responses: Sequence[str],
+        references: Sequence[str],
+        questions: Sequence[str] | None = None,
+    ) -> list[Verdict]:
+        """Extract, check (in parallel, time-limited) and optionally let the verifier model correct."""
+        if len(responses) != len(references):
+            raise ValueError(f"{len(responses)} responses but {len(references)} references")
+        extracted = [extract_answer(r) for r in responses]
+        pairs = [("" if e is None else e, ref) for e, ref in zip(extracted, references)]
+        checked = self.checker.check_many(pairs, self.timeout_s)
+        verdicts = [Verdict(e, ok and e is not None, to) for e, (ok, to) in zip(extracted, checked)]
+        if self.model_verifier is not None and questions is not None:
+            verdicts = self.model_verifier.correct(questions, references, responses, verdicts)
+        return verdicts
+
+    def score(
+        self,
+        responses: Sequence[str],
+        references: Sequence[str],
+        questions: Sequence[str] | None = None,
+    ) -> tuple[list[float], dict[str, float]]:
+        """Rewards (correct/incorrect values from the config) and reward/* stats for the batch."""
+        start = time.perf_counter()
+        verdicts = self.judge(responses, references, questions)
+        rewards = [self.correct if v.correct else self.incorrect for v in verdicts]
+        n = max(1, len(verdicts))
+        stats = {
+            "reward/mean": sum(rewards) / n,
+            "reward/accuracy": sum(v.correct for v in verdicts) / n,
+            "reward/no_answer": sum(v.extracted is None for v in verdicts) / n,
+            "reward/verify_timeouts": float(sum(v.timed_out for v in verdicts)),
+            "timing_s/reward": time.perf_counter() - start,
+        }
+        return rewards, stats
+
+    def close(self) -> None:
+        self.checker.close()
+        if self.model_verifier is not None:
+            self.model_verifier.close()
+
+    def __getstate__(self):
+        raise TypeError("RewardPool holds subprocesses: build one inside the actor from reward_cfg")
