@@ -176,9 +176,11 @@ def test_resolve_model_specs(base_model, tiny_home, tmp_path, monkeypatch):
 def test_resolve_model_from_an_mlflow_run_id(base_model, tmp_path, monkeypatch):
     import mlflow
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     run_dir = make_run_dir(tmp_path, base_model, steps=(5,))
-    client = mlflow.MlflowClient()
+    # explicit URI: an earlier test in this process may have called mlflow.set_tracking_uri
+    client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("resolve")
     run = client.create_run(exp, tags={"stapoctl.run_dir": str(run_dir)})
     untagged = client.create_run(exp)
