@@ -13,31 +13,25 @@ from typing import Optional
 import torch
 
 from .batch import PolicyBatch
-from .config import AggFields, _f
-from .pg import clipped_pg_loss
+from .config import _f
+from .pg import GRPOConfig, clipped_pg_loss
 from .registry import register_loss
 from .shaping import REL_POS_MODES, position_bonus, ppl_weights
 
 
 @dataclass
-class PPLShapingConfig(AggFields):
+class PPLShapingConfig(GRPOConfig):
     """A~ = A * (1 - alpha * w_ppl), w_ppl the standardised log-PPL within the prompt's group."""
 
     name: str = _f("ppl_shaping", "registry key of the loss (loss=NAME)")
-    clip_ratio_low: float = _f(0.2, "epsilon_low: ratio floor 1 - clip_ratio_low")
-    clip_ratio_high: float = _f(0.2, "epsilon_high: ratio ceiling 1 + clip_ratio_high")
-    loss_agg_mode: str = _f("seq-mean-token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum")
     alpha: float = _f(0.01, "alpha of (1 - alpha * w_ppl) (003 §5: 0.01, favours low-PPL responses)")
 
 
 @dataclass
-class PositionShapingConfig(AggFields):
+class PositionShapingConfig(GRPOConfig):
     """A~_t = A_t + sign(A_t) * gamma * sigmoid(d * m * (l_t - n)) inside a step window."""
 
     name: str = _f("position_shaping", "registry key of the loss (loss=NAME)")
-    clip_ratio_low: float = _f(0.2, "epsilon_low: ratio floor 1 - clip_ratio_low")
-    clip_ratio_high: float = _f(0.2, "epsilon_high: ratio ceiling 1 + clip_ratio_high")
-    loss_agg_mode: str = _f("seq-mean-token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum")
     gamma: float = _f(0.1, "bonus scale gamma (003 method: 0.1; 003 analysis: 1.0)")
     direction: float = _f(1.0, "d: +1 favours later tokens, -1 earlier ones")
     pos_scale: float = _f(15.0, "m in r = m * (l - n) (003 §5)")
