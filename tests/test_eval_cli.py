@@ -21,11 +21,9 @@ import pytest
 
 from stapoctl.eval.benches import PAPER_BENCHES
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+from conftest import SHARED_DATA as SHARED, TINY_OVERRIDES as MODEL_OVERRIDES
+
 REPO = Path(__file__).resolve().parents[1]
-# the real warm-start recipe, shortened: ~80 s to build, held-out toy accuracy ~9% at T=1.0
-# (150 steps gave 3%); sampling is seeded, so the toy check below is deterministic per machine
-MODEL_OVERRIDES = ["model.tiny.warm_start_steps=250", "data.toy.num_heldout=32"]
 K = 8
 
 pytestmark = [
@@ -42,23 +40,15 @@ def _cli(args, env, cwd):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, shared_home):
     """First run: all six benchmarks + toy, both decodings, 2 problems each; then --limit 4."""
-    from stapoctl.config.compose import compose_config
-    from stapoctl.models.tiny import ensure_base_model
-
-    home = tmp_path_factory.mktemp("home")
-    out = home / "eval_out"
+    home = shared_home.home
+    out = tmp_path_factory.mktemp("eval_out")
     env = dict(os.environ, STAPOCTL_HOME=str(home), STAPOCTL_DATA=str(SHARED), COLUMNS="200",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     env.pop("MLFLOW_TRACKING_URI", None)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("STAPOCTL_HOME", str(home))
-    try:
-        model_dir = ensure_base_model(compose_config(MODEL_OVERRIDES).model, compose_config(MODEL_OVERRIDES).data)
-    finally:
-        mp.undo()
-    uri = f"sqlite:///{home / 'mlflow.db'}"
+    model_dir = shared_home.model_dir
+    uri = f"sqlite:///{out / 'mlflow.db'}"
     common = ["--bench", "all", "--bench", "toy", "--decoding", "both", "--k", str(K),
               *MODEL_OVERRIDES, f"eval.output_dir={out}", f"tracking.uri={uri}", "tracking.experiment=evaltest"]
     first_log = _cli(["--limit", "2", *common], env, home)

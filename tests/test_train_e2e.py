@@ -2,7 +2,7 @@
 MLflow (sqlite) for a few steps, then a resume from the middle checkpoint that must draw the
 same batch and compute the same loss as the uninterrupted run did.
 
-The base model is a reduced warm start (200 steps) under a tmp STAPOCTL_HOME so the test is
+The base model is the session's reduced warm start (`shared_home` in conftest.py), so the test is
 hermetic; it answers a few toy problems, so some groups have non-zero advantages.
 """
 
@@ -18,8 +18,6 @@ OVERRIDES = [
     f"trainer.total_steps={TOTAL}",
     f"trainer.save_freq={SAVE}",
     "eval.every_n_steps=2",
-    "model.tiny.warm_start_steps=200",
-    "data.toy.num_heldout=64",
 ]
 SAME_AT_STEP_3 = ("batch/fingerprint", "batch/prompts_fingerprint", "critic/score/mean",
                   "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
@@ -27,21 +25,22 @@ SAME_AT_STEP_3 = ("batch/fingerprint", "batch/prompts_fingerprint", "critic/scor
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, shared_home):
     """One 3-step run and one resume from its step-2 checkpoint; both summaries and the store."""
     from rich.console import Console
 
     from stapoctl.config.compose import compose_config
     from stapoctl.trainer.driver import train
 
-    home = tmp_path_factory.mktemp("home")
+    home = shared_home.home
     mp = pytest.MonkeyPatch()
     mp.setenv("STAPOCTL_HOME", str(home))
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-    uri = f"sqlite:///{home / 'mlflow.db'}"
+    uri = f"sqlite:///{tmp_path_factory.mktemp('e2e_store') / 'mlflow.db'}"
     console = Console(width=120, record=True)
     try:
-        first = train(compose_config(OVERRIDES + [f"tracking.uri={uri}"]), console=console)
+        first = train(compose_config(shared_home.overrides + OVERRIDES + [f"tracking.uri={uri}"]),
+                      console=console)
         step2 = f"{first['run_dir']}/checkpoints/step_{SAVE:06d}"
         resumed = train(compose_config([f"resume={step2}", f"tracking.uri={uri}"]), console=console)
     finally:

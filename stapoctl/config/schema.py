@@ -157,6 +157,8 @@ class TrackingConfig:
     experiment: str = "stapoctl"
     run_name: Optional[str] = None
     log_artifacts: bool = True
+    # nest this run under another (a sweep's parent run): MLflow tag mlflow.parentRunId
+    parent_run_id: Optional[str] = None
 
 
 @dataclass

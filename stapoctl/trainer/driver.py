@@ -317,7 +317,8 @@ def train(conf: DictConfig, console: Optional[Console] = None) -> dict:
     tags = {"stapoctl.kind": "train", "stapoctl.experiment": str(conf.experiment), "stapoctl.loss": str(conf.loss.name)}
     run_name = conf.tracking.run_name or f"{conf.experiment}-{conf.loss.name}-seed{conf.trainer.seed}"
     with mlflow_run.start_run(uri=conf.tracking.uri, experiment=conf.tracking.experiment, run_name=run_name,
-                              run_id=state.get("mlflow_run_id"), tags=tags) as run:
+                              run_id=state.get("mlflow_run_id"), tags=tags,
+                              parent_run_id=None if state else conf.tracking.parent_run_id) as run:
         run_id = run.info.run_id
         run_dir = Path(state["run_dir"]) if state else Path(conf.trainer.output_dir or paths.home() / "runs" / run_id)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,36 @@
+"""Session-wide fixtures.
+
+`shared_home`: one STAPOCTL_HOME with one reduced warm-started tiny model, built once per test
+session (~80 s) and shared by every engine test that trains or evaluates the embedded default.
+Each test still keeps its own MLflow store and run dirs (pass `tracking.uri=` / output dirs under
+tmp_path), so tests stay independent while the expensive build is paid once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+# the real warm-start recipe, shortened: ~80 s to build; the model boxes some toy answers, so
+# GRPO groups have non-zero advantages and a few RL steps have a real gradient
+TINY_OVERRIDES = ["model.tiny.warm_start_steps=250", "data.toy.num_heldout=64"]
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_home(tmp_path_factory) -> SimpleNamespace:
+    """home: the STAPOCTL_HOME; overrides: the Hydra overrides selecting its model; model_dir."""
+    from stapoctl.config.compose import compose_config
+    from stapoctl.models.tiny import ensure_base_model
+
+    home = tmp_path_factory.mktemp("shared_home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STAPOCTL_HOME", str(home))
+    try:
+        conf = compose_config(TINY_OVERRIDES)
+        model_dir = ensure_base_model(conf.model, conf.data)
+    finally:
+        mp.undo()
+    return SimpleNamespace(home=Path(home), overrides=list(TINY_OVERRIDES), model_dir=Path(model_dir))
