@@ -8,6 +8,7 @@ tmp_path), so tests stay independent while the expensive build is paid once.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,8 @@ import pytest
 # the real warm-start recipe, shortened: ~80 s to build; the model boxes some toy answers, so
 # GRPO groups have non-zero advantages and a few RL steps have a real gradient
 TINY_OVERRIDES = ["model.tiny.warm_start_steps=250", "data.toy.num_heldout=64"]
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# ../shared/data beside the checkout; STAPOCTL_SHARED_DATA points a worktree elsewhere at it
+SHARED_DATA = Path(os.environ.get("STAPOCTL_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
 @pytest.fixture(scope="session")

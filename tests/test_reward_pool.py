@@ -44,7 +44,7 @@ def test_score_batch_values_and_stats(pool):
     assert stats["reward/accuracy"] == 0.5
     assert stats["reward/mean"] == 0.0
     assert stats["reward/no_answer"] == 0.25
-    assert stats["reward/verify_timeouts"] == 0.0
+    assert stats["reward/verify_timeouts"] == 0.0 and stats["reward/verify_errors"] == 0.0
 
 
 def test_correct_incorrect_values_configurable():
@@ -173,3 +173,44 @@ def test_pool_refuses_bad_timeout():
 
     with pytest.raises(UserError, match="reward.verify_timeout_s"):
         RewardPool(_cfg(verify_timeout_s=0))
+
+
+CRASHING = "\\crash{x}"  # goes to a verifier process (no string rule decides it)
+
+
+@pytest.mark.parametrize("kind", ["segv", "exit", "oom"])
+def test_verifier_crash_scores_incorrect_and_is_counted(monkeypatch, kind):
+    """A check that kills its verifier process (or raises MemoryError in it) costs only its own sample.
+
+    The fault is real: verify_server's test hook (STAPOCTL_TEST_VERIFY_FAULT=KIND:ANSWER) segfaults,
+    exits or allocates past the memory cap when it is asked about ANSWER.
+    """
+    monkeypatch.setenv("STAPOCTL_TEST_VERIFY_FAULT", f"{kind}:{CRASHING}")
+    p = RewardPool(_cfg(num_workers=2))
+    try:
+        p.score(["\\boxed{\\frac12}"], ["0.5"])  # children up
+        responses = ["\\boxed{\\frac{2}{4}}", f"\\boxed{{{CRASHING}}}", "\\boxed{\\sqrt{8}}", "\\boxed{7}"]
+        rewards, stats = p.score(responses, ["0.5", "2", "2\\sqrt{2}", "7"])
+        assert rewards == [1.0, -1.0, 1.0, 1.0]
+        assert stats["reward/verify_errors"] == 1.0 and stats["reward/verify_timeouts"] == 0.0
+        assert p.checker.errors == 1
+        # a crash replaced the process; a MemoryError is answered by the process that survived it
+        assert p.checker.restarts == (0 if kind == "oom" else 1)
+        # the run goes on: the pool still judges, and the same answer crashes again, counted again
+        assert p.score(["\\boxed{\\sqrt{8}}", f"\\boxed{{{CRASHING}}}"], ["2\\sqrt{2}", "2"])[0] == [1.0, -1.0]
+        assert p.checker.errors == 2
+    finally:
+        p.close()
+
+
+def test_verifier_that_cannot_start_is_an_error_not_a_hang():
+    """A child dying at start-up raises after three tries instead of respawning forever.
+
+    A 50 MB address-space cap is too small for the interpreter to import sympy: every child dies.
+    """
+    checker = EquivalenceChecker(num_workers=1, max_memory_gb=0.05)
+    try:
+        with pytest.raises(RuntimeError, match="exited during start-up 3 times"):
+            checker.check("\\frac12", "0.5")
+    finally:
+        checker.close()

@@ -79,6 +79,22 @@ EQUIV_CASES = [
     ("\\text{(B)}", "B", True, "multiple-choice letter in parentheses"),
     ("", "5", False, "an empty box is never correct"),
     ("\\displaystyle\\frac{2}{4}", "\\frac{1}{2}", True, "display style and an unreduced fraction"),
+    # wrong answers the reward once paid for (issue 13), found by tests/test_reward_gold.py
+    ("\\begin{pmatrix} -2 & 0 \\\\ 0 & -1 \\end{pmatrix}", "\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}", False,
+     "a row break followed by a space is not the spacing command '\\ ': the entries still differ"),
+    ("x_{1} \\cos (\\omega t)+$ $\\dot{x}_{0} \\sin (\\omega t) / \\omega",
+     "x_{0} \\cos (\\omega t)+$ $\\dot{x}_{0} \\sin (\\omega t) / \\omega", False,
+     "a '$' inside an answer must not split it so that only the last formula is compared"),
+    ("x_{0} \\cos (\\omega t)+\\dot{x}_{0} \\sin (\\omega t) / \\omega",
+     "x_{0} \\cos (\\omega t)+$ $\\dot{x}_{0} \\sin (\\omega t) / \\omega", True,
+     "the same answer without Minerva's stray '$ $'"),
+    ("\\hbar \\omega(v+2 / 2)-\\frac{E_{0}^{2} e^{2}}{2 m \\omega^{2}}",
+     "\\hbar \\omega(v+1 / 2)-\\frac{E_{0}^{2} e^{2}}{2 m \\omega^{2}}", False,
+     "an unparseable expression is not the stray number 2 found inside it (math-verify alone accepts)"),
+    ("2", "\\hbar \\omega(v+1 / 2)-\\frac{E_{0}^{2} e^{2}}{2 m \\omega^{2}}", False,
+     "nor is the bare number 2 that expression"),
+    ("1/3", "1/3", True, "a plain expression still parses without LaTeX"),
+    ("2x+1", "1+2x", True, "a plain expression covering the whole answer is compared symbolically"),
 ]
 
 
@@ -102,6 +118,8 @@ def test_none_prediction_is_incorrect():
         ("1,234,567.5", "1234567.5"),  # separators dropped when the whole answer is a number
         ("90^\\circ.", "90"),  # degree sign and period dropped
         ("\\text{ 12 }\\text{ cm}", "12"),  # text unwrapped, unit dropped
+        ("\\begin{pmatrix} 1 \\\\ 0 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 0 \\end{pmatrix}"),  # row break kept
+        ("$x$ $+1$", "x +1"),  # math delimiters dropped, also inside
     ],
 )
 def test_normalize(raw, normal):

@@ -30,9 +30,17 @@ _NUMBER = re.compile(r"^-?\d+(?:\.\d+)?$")
 _ASSIGNMENT = re.compile(r"^\s*[A-Za-z](?:_\{?\w+\}?)?\s*=\s*(?P<rhs>[^=]+)$")
 
 
+# A double backslash (a matrix row break) is one token that no rewrite may start inside: held out
+# as a placeholder while normalizing, its second backslash and the space after it can no longer be
+# read as the spacing command "\ " (which turned "0 \\ 0" into "0 \0", so matrices differing in
+# one entry compared equal).
+_ROW_BREAK = "\x00"
+
+
 def normalize(answer: str) -> str:
     """Canonical string form: layout-only LaTeX removed, units and separators dropped."""
-    s = answer.strip()
+    s = answer.strip().replace("\x00", "")
+    s = s.replace("\\\\", _ROW_BREAK)
     s = s.replace("\n", " ")
     s = re.sub(r"\\left\b|\\right\b", "", s)
     s = re.sub(r"\\[!,;: ]|\\quad|\\qquad", "", s)  # spacing commands (\, also thin space in 1\,000)
@@ -41,7 +49,9 @@ def normalize(answer: str) -> str:
     s = s.replace("\\displaystyle", "")
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?", "", s)  # 30^\circ, 30^{\circ}
     s = s.replace("°", "").replace("\\%", "").replace("%", "").replace("\\$", "")
-    s = s.strip("$ ")
+    # math-mode delimiters carry no value, also inside an answer ("x_0 \\cos t+$ $\\dot x_0", as
+    # Minerva writes some): a "$" left inside splits it into two formulas when parsed
+    s = s.replace("$", "").strip()
     # unwrap \text{...} etc. (repeat for nesting), keeping the words
     for _ in range(3):
         s = _TEXT_WRAPPERS.sub(lambda m: m.group(1), s)
@@ -50,7 +60,7 @@ def normalize(answer: str) -> str:
     if _THOUSANDS.match(s.replace(" ", "")):
         s = s.replace(",", "").replace(" ", "")
     s = re.sub(r"\s+", " ", s).strip()
-    return s
+    return s.replace(_ROW_BREAK, "\\\\")
 
 
 def _strip_assignment(pred: str, ref: str) -> str:
@@ -82,12 +92,24 @@ def quick_verdict(predicted: str | None, reference: str) -> bool | None:
 
 @lru_cache(maxsize=8192)
 def _parse(expr: str):
-    """math-verify parse of one normalized answer, cached (a reference is shared by a whole group)."""
+    """math-verify parse of one normalized answer, cached (a reference is shared by a whole group).
+
+    LaTeX first. The plain-expression reading is used only when it covers the whole answer:
+    math-verify's own fallback takes any number it finds in an answer whose LaTeX it cannot
+    parse, so "\\hbar\\omega(v+2/2)-\\frac{E_0^2}{2}" and "...(v+1/2)..." both became 2 and
+    compared equal. An answer that parses as neither stays a string (compared as a string).
+    """
     from math_verify import parse
     from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
 
-    configs = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    return parse(f"${expr}$", extraction_config=configs, parsing_timeout=None)
+    latex = parse(f"${expr}$", extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
+                  parsing_timeout=None)
+    if any(not isinstance(x, str) for x in latex):
+        return latex
+    plain = parse(expr, extraction_config=[ExprExtractionConfig()], parsing_timeout=None)
+    if len(plain) == 2 and _squash(str(plain[1])) == _squash(expr):
+        return plain
+    return latex
 
 
 def equivalent_unbounded(predicted: str | None, reference: str) -> bool:

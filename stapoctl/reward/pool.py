@@ -3,7 +3,9 @@
 A persistent set of verifier subprocesses (`verify_server`) checks answers in parallel. Each
 check has a hard wall-clock limit enforced by the parent, which kills a stuck child and starts
 a replacement: this works from any thread and inside Ray actors, unlike math-verify's
-SIGALRM timeout (main thread only; elsewhere it silently never fires).
+SIGALRM timeout (main thread only; elsewhere it silently never fires). A check that crashes its
+child (segfault, out of memory, any exit) or raises inside it is a verify error: that answer
+scores incorrect, is counted (`reward/verify_errors`), the child is replaced and the batch goes on.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Verdict:
     extracted: str | None
     correct: bool
     timed_out: bool = False
+    error: bool = False  # the check crashed its verifier process or raised: scored incorrect
 
 
 class _Child:
@@ -59,11 +62,16 @@ class _Child:
         self.task: int | None = None  # index of the check in flight
         self.deadline = 0.0
 
-    def send(self, index: int, pred: str, ref: str, timeout_s: float) -> None:
+    def send(self, index: int, pred: str, ref: str, timeout_s: float) -> bool:
+        """Hand one check to the child; False when it has died meanwhile (the pipe is closed)."""
         self.task = index
         self.deadline = time.monotonic() + timeout_s
-        self.proc.stdin.write((json.dumps({"id": index, "pred": pred, "ref": ref}) + "\n").encode())
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write((json.dumps({"id": index, "pred": pred, "ref": ref}) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError:  # BrokenPipeError: the crash shows up here before the read sees EOF
+            return False
+        return True
 
     def read_lines(self) -> list[dict]:
         chunk = os.read(self.fd, 65536)
@@ -90,8 +98,10 @@ class EquivalenceChecker:
     def __init__(self, num_workers: int = 2, max_memory_gb: float = 4.0):
         self.num_workers = max(1, int(num_workers))
         self.max_memory_gb = max_memory_gb
-        self.timeouts = 0  # total over the checker's life
+        self.timeouts = 0  # totals over the checker's life
+        self.errors = 0
         self.restarts = 0
+        self._early_deaths = 0  # children that died before saying ready, in a row
         self._children: list[_Child] = []
         self._lock = threading.Lock()
 
@@ -108,14 +118,20 @@ class EquivalenceChecker:
         self, pairs: Sequence[tuple[str, str]], timeout_s: float = DEFAULT_TIMEOUT_S
     ) -> list[tuple[bool, bool]]:
         """(equivalent, timed_out) per pair; a check past `timeout_s` counts as not equivalent."""
-        results: list[tuple[bool, bool] | None] = [None] * len(pairs)
+        return [(ok, timed_out) for ok, timed_out, _ in self.check_detailed(pairs, timeout_s)]
+
+    def check_detailed(
+        self, pairs: Sequence[tuple[str, str]], timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> list[tuple[bool, bool, bool]]:
+        """(equivalent, timed_out, error) per pair; a timed-out or crashed check is not equivalent."""
+        results: list[tuple[bool, bool, bool] | None] = [None] * len(pairs)
         pending = []
         for i, (pred, ref) in enumerate(pairs):
             quick = quick_verdict(pred, ref)
             if quick is None:
                 pending.append(i)
             else:
-                results[i] = (quick, False)
+                results[i] = (quick, False, False)
         if pending:
             with self._lock:
                 self._run(pairs, pending, results, timeout_s)
@@ -125,10 +141,12 @@ class EquivalenceChecker:
         self._ensure_children()
         queue = list(reversed(pending))
         while queue or any(c.task is not None for c in self._children):
-            for child in self._children:
+            for child in list(self._children):
                 if child.ready and child.task is None and queue:
                     i = queue.pop()
-                    child.send(i, pairs[i][0], pairs[i][1], timeout_s)
+                    if not child.send(i, pairs[i][0], pairs[i][1], timeout_s):
+                        self.errors += 1
+                        self._replace(child, results, error=True)
             now = time.monotonic()
             waits = [c.deadline - now for c in self._children if c.task is not None]
             waits += [c.started + _READY_TIMEOUT_S - now for c in self._children if not c.ready]
@@ -139,14 +157,21 @@ class EquivalenceChecker:
                         messages = child.read_lines()
                     except RuntimeError:
                         messages = None
-                    if messages is None:  # died (e.g. out of memory): the check in flight fails
-                        self._replace(child, results, timed_out=False)
+                    if messages is None:  # died (segfault, out of memory, exit): the check in flight fails
+                        if not child.ready:
+                            self._died_starting(child)
+                        elif child.task is not None:
+                            self.errors += 1
+                        self._replace(child, results, error=True)
                         continue
                     for msg in messages:
                         if msg.get("ready"):
                             child.ready = True
+                            self._early_deaths = 0
                         elif msg.get("id") == child.task:
-                            results[child.task] = (bool(msg["ok"]), False)
+                            error = bool(msg.get("error"))
+                            self.errors += error
+                            results[child.task] = (bool(msg["ok"]) and not error, False, error)
                             child.task = None
             now = time.monotonic()
             for child in list(self._children):
@@ -160,9 +185,20 @@ class EquivalenceChecker:
                         f"({sys.executable} -m stapoctl.reward.verify_server)"
                     )
 
-    def _replace(self, child: _Child, results: list, timed_out: bool) -> None:
+    def _died_starting(self, child: _Child) -> None:
+        """A child that dies before it is ready is a broken setup, not a bad answer: say so."""
+        self._early_deaths += 1
+        if self._early_deaths >= 3:
+            child.kill()
+            self._children.remove(child)
+            raise RuntimeError(
+                f"verifier subprocess exited during start-up {self._early_deaths} times in a row (code "
+                f"{child.proc.returncode}): run `{sys.executable} -m stapoctl.reward.verify_server` to see why"
+            )
+
+    def _replace(self, child: _Child, results: list, timed_out: bool = False, error: bool = False) -> None:
         if child.task is not None:
-            results[child.task] = (False, timed_out)
+            results[child.task] = (False, timed_out, error)
         child.kill()
         self._children.remove(child)
         self._children.append(_Child(self.max_memory_gb))
@@ -230,8 +266,8 @@ class RewardPool:
             raise ValueError(f"{len(responses)} responses but {len(references)} references")
         extracted = [extract_answer(r) for r in responses]
         pairs = [("" if e is None else e, ref) for e, ref in zip(extracted, references)]
-        checked = self.checker.check_many(pairs, self.timeout_s)
-        verdicts = [Verdict(e, ok and e is not None, to) for e, (ok, to) in zip(extracted, checked)]
+        checked = self.checker.check_detailed(pairs, self.timeout_s)
+        verdicts = [Verdict(e, ok and e is not None, to, err) for e, (ok, to, err) in zip(extracted, checked)]
         if self.model_verifier is not None and questions is not None:
             verdicts = self.model_verifier.correct(questions, references, responses, verdicts)
         return verdicts
@@ -252,6 +288,7 @@ class RewardPool:
             "reward/accuracy": sum(v.correct for v in verdicts) / n,
             "reward/no_answer": sum(v.extracted is None for v in verdicts) / n,
             "reward/verify_timeouts": float(sum(v.timed_out for v in verdicts)),
+            "reward/verify_errors": float(sum(v.error for v in verdicts)),
             "timing_s/reward": time.perf_counter() - start,
         }
         return rewards, stats
