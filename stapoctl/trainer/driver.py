@@ -41,7 +41,7 @@ def check_config(conf: DictConfig) -> None:
         raise UserError(f"rollout.num_workers={r.num_workers}: must be >= 1")
     if lrn.micro_batch_size < 1:
         raise UserError(f"learner.micro_batch_size={lrn.micro_batch_size}: must be >= 1")
-    mini_rows, ranks = lrn.ppo_mini_batch_size * r.n, max(1, int(lrn.num_gpus or 0))
+    mini_rows, ranks = lrn.ppo_mini_batch_size * r.n, max(1, int(lrn.num_ranks or 1))
     if mini_rows > lrn.micro_batch_size * ranks and mini_rows % (lrn.micro_batch_size * ranks):
         raise UserError(
             f"learner.ppo_mini_batch_size={lrn.ppo_mini_batch_size} × rollout.n={r.n} = {mini_rows} sequences "
@@ -130,6 +130,7 @@ class StepRunner:
     def rollout(self, indices: list[int], step: int):
         import ray
 
+        from stapoctl.rollout.vllm_engine import prompt_seed
         from stapoctl.trainer.batch import RolloutBatch
 
         r = self.conf.rollout
@@ -137,6 +138,7 @@ class StepRunner:
         workers = self.engines.workers
         per = -(-len(indices) // len(workers))
         refs = []
+        run_seed = int(self.conf.trainer.seed)
         for j, w in enumerate(workers):
             block = indices[j * per : (j + 1) * per]
             if not block:
@@ -144,7 +146,7 @@ class StepRunner:
             refs.append(w.rollout.remote(
                 [self.prompt_ids[i] for i in block], n=int(r.n), temperature=float(r.temperature),
                 top_p=float(r.top_p), max_tokens=int(r.max_response_length),
-                seed=int(self.conf.trainer.seed) * 100_000 + step + 7_919 * j,
+                seed=[prompt_seed(run_seed, step, i) for i in block],
                 pad_id=self.pad_id, group_offset=j * per, prompt_index=block,
             ))
         parts = ray.get(refs)
