@@ -28,6 +28,17 @@ def max_model_len(conf: DictConfig, model_path: str) -> int:
     return min(want, limit)
 
 
+def learner_args(conf: DictConfig) -> dict[str, Any]:
+    """Everything a learner rank's `setup` / `reset` takes from a run's config."""
+    r = conf.rollout
+    return dict(
+        learner=OmegaConf.to_container(conf.learner, resolve=True),
+        loss=OmegaConf.to_container(conf.loss, resolve=True),
+        n_per_prompt=int(r.n), temperature=float(r.temperature), dtype=conf.model.dtype,
+        seed=int(conf.trainer.seed), max_response_length=int(r.max_response_length),
+    )
+
+
 @dataclass
 class Engines:
     workers: list
@@ -110,13 +121,7 @@ def start_engines(conf: DictConfig, policy_path: str, console=None) -> Engines:
     workers = [make_rollout_worker(spec, num_cpus=float(r.cpus_per_worker), num_gpus=rollout_gpus(r),
                                    options=placement.rollout_options(i))
                for i in range(int(r.num_workers))]
-    learner_cfg = OmegaConf.to_container(lrn, resolve=True)
-    loss_cfg = OmegaConf.to_container(conf.loss, resolve=True)
-    learners, setup_refs = make_learner_group(
-        policy_path, learner_cfg, loss_cfg, n_per_prompt=int(r.n), temperature=float(r.temperature),
-        dtype=conf.model.dtype, seed=int(conf.trainer.seed), max_response_length=int(r.max_response_length),
-        placement=placement, wait=False,
-    )
+    learners, setup_refs = make_learner_group(policy_path, **learner_args(conf), placement=placement, wait=False)
     partial = Engines(workers=workers, learners=learners, sync=None, placement=placement)
     try:
         worker_info = ray.get([w.info.remote() for w in workers])
