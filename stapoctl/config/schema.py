@@ -8,7 +8,7 @@ so a new method needs no edit here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -81,8 +81,11 @@ class DataConfig:
 class RolloutConfig:
     engine: str = "vllm"
     num_workers: int = 1
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float = 1.0  # fractions allow several actors per core (e.g. 0.5)
     gpus_per_worker: float = 0.0
+    # custom Ray resources each worker's bundle asks for: pins the role to nodes that advertise them
+    resources: Dict[str, float] = field(default_factory=dict)
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (Ray placement groups)
     tensor_parallel_size: int = 1
     n: int = 8  # responses per prompt (the GRPO group)
     temperature: float = 1.0
@@ -102,8 +105,11 @@ class RolloutConfig:
 class LearnerConfig:
     backend: str = "deepspeed"
     zero_stage: int = 0
-    num_gpus: int = 0  # data-parallel ranks on a GPU machine
-    cpus: float = 1.0
+    num_ranks: int = 1  # data-parallel ranks (DeepSpeed processes): gloo on CPU, one GPU each on GPU
+    gpus_per_rank: float = 0.0  # 1 on a GPU cluster; 0 trains on CPU
+    cpus: float = 1.0  # per rank; fractions allow several ranks per core
+    resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per rank's bundle
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
     placement: str = "disaggregated"  # or "colocated" (GPU: learner and rollout share devices)
     lr: float = 1e-6
     warmup_steps: int = 10
@@ -167,6 +173,8 @@ class ClusterConfig:
     address: Optional[str] = None  # Ray cluster address (ray://… or auto)
     num_cpus: Optional[int] = None
     num_gpus: Optional[int] = None
+    # how long a run waits for busy resources before it gives up (an impossible placement fails at once)
+    placement_timeout_s: float = 60.0
     # SLURM (submitit)
     partition: Optional[str] = None
     account: Optional[str] = None

@@ -14,7 +14,6 @@ Responses that hit the token budget or the context end are `truncated`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -24,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 from stapoctl.eval.benches import PAPER_BENCHES, Decoding, expand_benches, samples_per_problem, select_decodings
 from stapoctl.eval.metrics import mlflow_key, summarize
+from stapoctl.rollout.vllm_engine import prompt_seed
 
 TARGET_SAMPLES_PER_CALL = 256  # per worker and generate call: big enough to batch, small enough to resume
 
@@ -47,12 +47,6 @@ def prepare_problems(rows: Sequence[dict], tokenizer: Any, max_model_len: int) -
         out.append(Problem(str(row["id"]), ids, str(row["answer"]), str(row.get("problem", row["prompt"])),
                            too_long=len(ids) >= max_model_len))
     return out
-
-
-def _chunk_seed(seed: int, bench: str, decoding: str, first_id: str) -> int:
-    """A call's seed from what it samples, not from its position in this run."""
-    digest = hashlib.sha256(f"{seed}|{bench}|{decoding}|{first_id}".encode()).hexdigest()
-    return int(digest[:8], 16) % (2**31 - 1)
 
 
 def _skipped_records(p: Problem, k: int, bench: str, decoding: str) -> list[dict]:
@@ -97,14 +91,14 @@ def judge_problems(
     chunks = [fits[i : i + per_chunk] for i in range(0, len(fits), per_chunk)]
 
     def submit(chunk: list[Problem]) -> list[tuple[list[Problem], Any]]:
-        base = _chunk_seed(seed, bench, decoding.name, chunk[0].id)
         per = math.ceil(len(chunk) / len(workers))
         calls = []
         for j, worker in enumerate(workers):
             part = chunk[j * per : (j + 1) * per]
             if part:
+                seeds = [prompt_seed(seed, bench, decoding.name, p.id) for p in part]
                 ref = worker.generate.remote([p.prompt_ids for p in part], n=k, temperature=decoding.temperature,
-                                             top_p=decoding.top_p, max_tokens=max_tokens, seed=base + j)
+                                             top_p=decoding.top_p, max_tokens=max_tokens, seed=seeds)
                 calls.append((part, ref))
         return calls
 

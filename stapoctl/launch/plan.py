@@ -4,73 +4,49 @@ without starting Ray, vLLM or DeepSpeed, so a cluster job can be checked before 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
-
-@dataclass
-class Placement:
-    role: str
-    count: int
-    cpus: float
-    gpus: float
-    note: str
+from stapoctl.errors import UserError
+from stapoctl.launch.placement import check_fits, role_plans, total_need
 
 
-def placement_plan(conf: DictConfig) -> list[Placement]:
-    """Actors and their Ray resources, as the driver will request them."""
+LABELS = {"rollout": "rollout (vLLM)", "learner": "learner (DeepSpeed)", "colocated": "learner + rollout (colocated)"}
+
+
+def _notes(conf: DictConfig) -> dict[str, str]:
     r, lr = conf.rollout, conf.learner
-    gpus_per_worker = r.gpus_per_worker or 0
-    if gpus_per_worker and r.tensor_parallel_size > 1:
-        gpus_per_worker = max(gpus_per_worker, r.tensor_parallel_size)
-    rollout_note = (
-        f"vLLM TP={r.tensor_parallel_size}, n={r.n}, T={r.temperature}, top-p={r.top_p}, "
-        f"max_tokens={r.max_response_length}"
-    )
-    learner_ranks = max(1, lr.num_gpus)
-    learner_note = (
-        f"DeepSpeed ZeRO-{lr.zero_stage}, {'GPU' if lr.num_gpus else 'CPU (gloo)'}, "
-        f"lr={lr.lr}, mini-batch={lr.ppo_mini_batch_size} prompts, micro={lr.micro_batch_size}"
-    )
-    plan = [
-        Placement("rollout (vLLM)", r.num_workers, r.cpus_per_worker, gpus_per_worker, rollout_note),
-        Placement(
-            "learner (DeepSpeed)",
-            learner_ranks,
-            lr.cpus,
-            1.0 if lr.num_gpus else 0.0,
-            learner_note + (f", placement={lr.placement}" if lr.num_gpus else ""),
-        ),
-    ]
-    return plan
+    on_gpu = float(lr.gpus_per_rank or 0) > 0
+    return {
+        "rollout": f"vLLM TP={r.tensor_parallel_size}, n={r.n}, T={r.temperature}, top-p={r.top_p}, "
+                   f"max_tokens={r.max_response_length}",
+        "learner": f"DeepSpeed ZeRO-{lr.zero_stage}, {'GPU (nccl)' if on_gpu else 'CPU (gloo)'}, lr={lr.lr}, "
+                   f"mini-batch={lr.ppo_mini_batch_size} prompts, micro={lr.micro_batch_size}",
+        "colocated": "learner rank + vLLM worker sharing one GPU (learner.placement=colocated)",
+    }
 
 
 def print_plan(conf: DictConfig, console: Console) -> None:
     console.rule(f"[bold]experiment {conf.experiment}[/] — resolved config")
     console.print(Syntax(OmegaConf.to_yaml(conf, resolve=True), "yaml", word_wrap=True))
-    plan = placement_plan(conf)
-    table = Table(title=f"Placement plan (cluster={conf.cluster.name})")
-    for col in ("role", "actors", "CPUs each", "GPUs each", "what"):
+    plans = role_plans(conf.rollout, conf.learner)
+    notes = _notes(conf)
+    table = Table(title=f"Placement plan (cluster={conf.cluster.name}; one Ray placement group per role)")
+    for col in ("role", "actors", "bundle each", "strategy", "what"):
         table.add_column(col)
-    for p in plan:
-        table.add_row(p.role, str(p.count), f"{p.cpus:g}", f"{p.gpus:g}", p.note)
-    need_cpu = sum(p.count * p.cpus for p in plan)
-    need_gpu = sum(p.count * p.gpus for p in plan)
-    if conf.learner.placement == "colocated" and conf.learner.num_gpus:
-        need_gpu = max(
-            sum(p.count * p.gpus for p in plan if p.role.startswith("rollout")), conf.learner.num_gpus
-        )
-    table.caption = f"total: {need_cpu:g} CPUs, {need_gpu:g} GPUs"
+    for p in plans:
+        bundle = ", ".join(f"{v:g} {k}" for k, v in p.bundle.items())
+        table.add_row(LABELS[p.role], str(p.count), bundle, p.strategy, notes[p.role])
+    need = total_need(plans)
+    table.caption = "total: " + ", ".join(f"{v:g} {k}" for k, v in need.items())
     console.print(table)
-    if conf.cluster.name == "local":
-        have = conf.cluster.num_cpus or os.cpu_count() or 1
-        if need_cpu > have:
-            console.print(
-                f"[yellow]warning:[/] the plan asks for {need_cpu:g} CPUs and this machine has {have}; "
-                "lower rollout.cpus_per_worker / learner.cpus"
-            )
+    if conf.cluster.name == "local" and not conf.cluster.address:
+        have = {"CPU": float(conf.cluster.num_cpus or os.cpu_count() or 1)}
+        try:
+            check_fits([p for p in plans], {**need, **have}, where="this machine")
+        except UserError as exc:
+            console.print(f"[yellow]warning:[/] {exc}")
     console.print("[dim]dry run: nothing was started[/]")

@@ -9,6 +9,7 @@ handed to the worker for a weight reload without pickling (see ../shared/ENGINES
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -93,11 +94,30 @@ def make_llm(spec: EngineSpec):
     return LLM(**kwargs)
 
 
-def request_seeds(seed: int | None, num_prompts: int, n: int) -> list[int | None]:
-    """One seed per prompt, n apart: vLLM gives child j of a request `seed + j`, so prompts
-    sharing a seed would draw the same random numbers."""
+def prompt_seed(*parts: Any) -> int:
+    """A request seed from what is sampled (run seed, step, prompt id, ...), not from where.
+
+    Seeding each prompt by its identity makes rollouts independent of how prompts are split
+    over workers and chunks: the same run seed gives the same samples with 1 or N workers, and
+    a resumed evaluation draws what the uninterrupted one would. (vLLM gives child j of a
+    request `seed + j`; seeds are 2^20 apart on average, so children of two prompts collide
+    only with negligible probability — and then merely share random numbers.)
+    """
+    digest = hashlib.sha256("|".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little") % (2**31 - 2**16)
+
+
+def request_seeds(seed: int | Sequence[int] | None, num_prompts: int, n: int) -> list[int | None]:
+    """Per-prompt seeds: given as a list (one per prompt), or derived from one call seed, n apart
+    (vLLM gives child j of a request `seed + j`, so prompts sharing a seed would draw the same
+    random numbers)."""
     if seed is None:
         return [None] * num_prompts
+    if not isinstance(seed, int):
+        seeds = [int(s) for s in seed]
+        if len(seeds) != num_prompts:
+            raise ValueError(f"{len(seeds)} seeds for {num_prompts} prompts")
+        return seeds
     base = (int(seed) * 1_000_003) % (2**31 - 1)
     return [(base + i * n) % (2**31 - 1) for i in range(num_prompts)]
 
@@ -117,10 +137,12 @@ def generate(
     temperature: float,
     top_p: float,
     max_tokens: int,
-    seed: int | None = None,
+    seed: int | Sequence[int] | None = None,
     use_tqdm: bool = False,
 ) -> list[list[Sample]]:
-    """Sample n responses per prompt; returns, per prompt, its n samples with log-probs."""
+    """Sample n responses per prompt; returns, per prompt, its n samples with log-probs.
+
+    `seed`: one per prompt (see `prompt_seed`), or one for the call."""
     from vllm import SamplingParams
 
     params = [

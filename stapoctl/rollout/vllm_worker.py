@@ -51,7 +51,7 @@ class RolloutWorker:
         temperature: float = 1.0,
         top_p: float = 1.0,
         max_tokens: int = 64,
-        seed: Optional[int] = None,
+        seed: Optional[int | Sequence[int]] = None,
     ) -> list[list[Sample]]:
         """Per prompt, its n samples (token ids, sampled-token log-probs, text, finish reason)."""
         from stapoctl.rollout import vllm_engine
@@ -68,7 +68,7 @@ class RolloutWorker:
         temperature: float,
         top_p: float,
         max_tokens: int,
-        seed: Optional[int],
+        seed: Optional[int | Sequence[int]],
         pad_id: int,
         group_offset: int = 0,
         prompt_index: Optional[Sequence[int]] = None,
@@ -191,28 +191,23 @@ def make_rollout_worker(
     num_cpus: float = 1.0,
     num_gpus: float = 0.0,
     *,
-    placement_group: Any = None,
-    bundle_index: int = -1,
+    options: Optional[dict[str, Any]] = None,
     name: Optional[str] = None,
 ):
-    """Start a RolloutWorker actor with these resources; returns its handle (engine still loading)."""
+    """Start a RolloutWorker actor with these resources; returns its handle (engine still loading).
+
+    `options`: extra Ray actor options, e.g. the placement-group scheduling strategy of its bundle.
+    """
     import ray
 
-    options: dict[str, Any] = dict(
+    opts: dict[str, Any] = dict(
         num_cpus=num_cpus,
         num_gpus=num_gpus,
         runtime_env={"env_vars": rollout_env(engine_spec)},
         max_concurrency=1,
     )
     if name:
-        options["name"] = name
-    if placement_group is not None:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement_group=placement_group,
-            placement_group_bundle_index=bundle_index,
-            placement_group_capture_child_tasks=True,
-        )
+        opts["name"] = name
+    opts.update(options or {})
     actor_cls = ray.remote(RolloutWorker)
-    return actor_cls.options(**options).remote(engine_spec)
+    return actor_cls.options(**opts).remote(engine_spec)

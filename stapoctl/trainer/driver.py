@@ -41,7 +41,7 @@ def check_config(conf: DictConfig) -> None:
         raise UserError(f"rollout.num_workers={r.num_workers}: must be >= 1")
     if lrn.micro_batch_size < 1:
         raise UserError(f"learner.micro_batch_size={lrn.micro_batch_size}: must be >= 1")
-    mini_rows, ranks = lrn.ppo_mini_batch_size * r.n, max(1, int(lrn.num_gpus or 0))
+    mini_rows, ranks = lrn.ppo_mini_batch_size * r.n, max(1, int(lrn.num_ranks or 1))
     if mini_rows > lrn.micro_batch_size * ranks and mini_rows % (lrn.micro_batch_size * ranks):
         raise UserError(
             f"learner.ppo_mini_batch_size={lrn.ppo_mini_batch_size} × rollout.n={r.n} = {mini_rows} sequences "
@@ -130,6 +130,7 @@ class StepRunner:
     def rollout(self, indices: list[int], step: int):
         import ray
 
+        from stapoctl.rollout.vllm_engine import prompt_seed
         from stapoctl.trainer.batch import RolloutBatch
 
         r = self.conf.rollout
@@ -137,6 +138,7 @@ class StepRunner:
         workers = self.engines.workers
         per = -(-len(indices) // len(workers))
         refs = []
+        run_seed = int(self.conf.trainer.seed)
         for j, w in enumerate(workers):
             block = indices[j * per : (j + 1) * per]
             if not block:
@@ -144,7 +146,7 @@ class StepRunner:
             refs.append(w.rollout.remote(
                 [self.prompt_ids[i] for i in block], n=int(r.n), temperature=float(r.temperature),
                 top_p=float(r.top_p), max_tokens=int(r.max_response_length),
-                seed=int(self.conf.trainer.seed) * 100_000 + step + 7_919 * j,
+                seed=[prompt_seed(run_seed, step, i) for i in block],
                 pad_id=self.pad_id, group_offset=j * per, prompt_index=block,
             ))
         parts = ray.get(refs)
@@ -253,38 +255,38 @@ def prepare_data(conf: DictConfig, tokenizer_path: str, console: Console) -> Tra
 
 
 @contextlib.contextmanager
-def running_engines(conf: DictConfig, policy_path: str, resume_dir: Optional[Path], console: Console):
-    """Engines + verifier pool for the run's duration; always shut down (vLLM first, then Ray)."""
-    import ray
+def running_engines(conf: DictConfig, policy_path: str, resume_dir: Optional[Path], console: Console,
+                    session: Any = None):
+    """Engines + verifier pool for one run: from `session` (kept warm across runs, e.g. a
+    sweep's trials) or started for this run alone and shut down after it (vLLM, then Ray)."""
+    from stapoctl.trainer.session import EngineSession
 
-    from stapoctl.reward.pool import RewardPool
-    from stapoctl.trainer.engines import start_engines
-
-    ray_was_up = ray.is_initialized()
-    scorer = RewardPool(conf.reward)
-    engines = None
+    own = session is None
+    session = session or EngineSession(console)
     try:
-        with console.status(f"starting Ray, {conf.rollout.num_workers} vLLM rollout actor(s) and the "
-                            f"DeepSpeed learner (ZeRO-{conf.learner.zero_stage})…"):
-            engines = start_engines(conf, policy_path, console)
-            if resume_dir:
-                engines.call_learners("load", str(resume_dir))
+        engines, scorer = session.acquire(conf, policy_path)
+        if resume_dir:
+            engines.call_learners("load", str(resume_dir))
         info = engines.info
-        console.print(f"engines up in {info['engines_s']:.0f} s (vLLM {info['vllm_init_s']:.0f} s, learner "
-                      f"{info['learner_setup_s']:.0f} s, in parallel); weight sync: {info['sync_method']}")
+        if info.get("reused"):
+            console.print(f"engines reused (learner reset + weight sync in {info['reset_s']:.1f} s)")
+        else:
+            console.print(f"engines up in {info['engines_s']:.0f} s (vLLM {info['vllm_init_s']:.0f} s, learner "
+                          f"{info['learner_setup_s']:.0f} s, in parallel); weight sync: {info['sync_method']}")
         yield engines, scorer
+    except BaseException:
+        if not own:
+            session.discard()  # a failed run may leave its engines mid-step
+        raise
     finally:
-        if engines is not None:
-            engines.shutdown()
-        scorer.close()
-        if not ray_was_up:  # a Ray the caller started (a notebook, a test session) stays up
-            from stapoctl.launch.ray_runtime import shutdown_ray
-
-            shutdown_ray()
+        if own:
+            session.close()
 
 
-def train(conf: DictConfig, console: Optional[Console] = None) -> dict:
-    """Run (or resume) a training run; returns a summary (run id, run dir, first/final metrics)."""
+def train(conf: DictConfig, console: Optional[Console] = None, session: Any = None) -> dict:
+    """Run (or resume) a training run; returns a summary (run id, run dir, first/final metrics).
+
+    `session`: an `EngineSession` whose engines this run reuses (and leaves running)."""
     import mlflow
 
     from stapoctl.models.tiny import base_eval
@@ -333,7 +335,7 @@ def train(conf: DictConfig, console: Optional[Console] = None) -> dict:
                 mlflow_run.log_metrics({"base/toy/accuracy_t1": base.get("accuracy_t1"),
                                         "base/toy/accuracy_greedy": base.get("accuracy_greedy")}, step=0)
         console.print(f"MLflow run {run_id} · run dir {run_dir}")
-        with running_engines(conf, policy_path, resume_dir, console) as (engines, scorer):
+        with running_engines(conf, policy_path, resume_dir, console, session) as (engines, scorer):
             mlflow.set_tag("stapoctl.weight_sync", engines.info["sync_method"])
             loop = Loop(conf, StepRunner(conf, engines, scorer, data), sampler, run_id, run_dir, base_model,
                         policy_path)

@@ -28,6 +28,17 @@ def max_model_len(conf: DictConfig, model_path: str) -> int:
     return min(want, limit)
 
 
+def learner_args(conf: DictConfig) -> dict[str, Any]:
+    """Everything a learner rank's `setup` / `reset` takes from a run's config."""
+    r = conf.rollout
+    return dict(
+        learner=OmegaConf.to_container(conf.learner, resolve=True),
+        loss=OmegaConf.to_container(conf.loss, resolve=True),
+        n_per_prompt=int(r.n), temperature=float(r.temperature), dtype=conf.model.dtype,
+        seed=int(conf.trainer.seed), max_response_length=int(r.max_response_length),
+    )
+
+
 @dataclass
 class Engines:
     workers: list
@@ -71,11 +82,13 @@ class Engines:
 
 
 def start_engines(conf: DictConfig, policy_path: str, console=None) -> Engines:
-    """Ray, then the vLLM actors and the learner in parallel, then the weight-sync link."""
+    """Ray, then the run's placement, then the vLLM actors and the learner ranks in parallel,
+    then the weight-sync link."""
     import ray
     import torch
 
-    from stapoctl.launch.ray_runtime import ensure_ray, make_placement
+    from stapoctl.launch.placement import make_placement, rollout_gpus
+    from stapoctl.launch.ray_runtime import ensure_ray
     from stapoctl.learner.deepspeed_learner import make_learner_group
     from stapoctl.rollout.vllm_engine import EngineSpec
     from stapoctl.rollout.vllm_worker import make_rollout_worker
@@ -85,14 +98,15 @@ def start_engines(conf: DictConfig, policy_path: str, console=None) -> Engines:
     started_ray = ensure_ray(conf.cluster)
     t_ray = time.perf_counter() - t0
     r, lrn = conf.rollout, conf.learner
-    on_gpu = float(r.gpus_per_worker or 0) > 0 or int(lrn.num_gpus or 0) > 0
+    on_gpu = float(r.gpus_per_worker or 0) > 0 or float(lrn.gpus_per_rank or 0) > 0
     if on_gpu and not ray.cluster_resources().get("GPU"):
         raise UserError(
-            "rollout.gpus_per_worker / learner.num_gpus ask for GPUs and the Ray cluster has none: "
+            "rollout.gpus_per_worker / learner.gpus_per_rank ask for GPUs and the Ray cluster has none: "
             "set both to 0 on a CPU machine (the embedded default does)"
         )
     method = choose_method(r.weight_sync, on_gpu=on_gpu, placement=lrn.placement)
-    placement = make_placement(r, lrn)
+    say = (lambda msg: console.print(f"[yellow]{msg}[/]")) if console is not None else None
+    placement = make_placement(r, lrn, timeout_s=float(conf.cluster.placement_timeout_s), on_wait=say)
     spec = EngineSpec(
         model_path=policy_path,
         seed=int(conf.trainer.seed),
@@ -104,20 +118,10 @@ def start_engines(conf: DictConfig, policy_path: str, console=None) -> Engines:
         enforce_eager=bool(r.enforce_eager),
         weight_transfer_backend=method if method in ("nccl", "ipc") else None,
     )
-    workers = []
-    for i in range(int(r.num_workers)):
-        kwargs: dict[str, Any] = {}
-        if placement.pg is not None:
-            kwargs = dict(placement_group=placement.pg, bundle_index=placement.rollout_bundles[i])
-        workers.append(make_rollout_worker(spec, num_cpus=float(r.cpus_per_worker),
-                                           num_gpus=placement.rollout_gpus if on_gpu else 0.0, **kwargs))
-    learner_cfg = OmegaConf.to_container(lrn, resolve=True)
-    loss_cfg = OmegaConf.to_container(conf.loss, resolve=True)
-    learners, setup_refs = make_learner_group(
-        policy_path, learner_cfg, loss_cfg, n_per_prompt=int(r.n), temperature=float(r.temperature),
-        dtype=conf.model.dtype, seed=int(conf.trainer.seed), max_response_length=int(r.max_response_length),
-        placement=placement, wait=False,
-    )
+    workers = [make_rollout_worker(spec, num_cpus=float(r.cpus_per_worker), num_gpus=rollout_gpus(r),
+                                   options=placement.rollout_options(i))
+               for i in range(int(r.num_workers))]
+    learners, setup_refs = make_learner_group(policy_path, **learner_args(conf), placement=placement, wait=False)
     partial = Engines(workers=workers, learners=learners, sync=None, placement=placement)
     try:
         worker_info = ray.get([w.info.remote() for w in workers])

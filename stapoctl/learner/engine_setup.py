@@ -1,0 +1,220 @@
+"""Starting one data-parallel rank's DeepSpeed engine: process group, model, optimizer, schedule.
+
+On CPU: DeepSpeed's CPU accelerator, gloo, torch AdamW (no FusedAdam/CPUAdam JIT build); ZeRO
+stages 0-3 all run, with any number of ranks. The shared-memory allreduce op DeepSpeed builds
+at `init_distributed` (a ~56 s JIT compile) is skipped: only `inference_all_reduce` uses it,
+training collectives go through torch.distributed (gloo) either way.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+import time
+from typing import Any, Optional
+
+from stapoctl.errors import UserError
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "127.0.0.1"
+
+
+def uses_cuda(learner: dict) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and float(learner.get("gpus_per_rank") or 0) > 0
+
+
+def ds_config(learner: dict, *, micro_batch_size: int, grad_accum: int, world_size: int, bf16: bool) -> dict:
+    """DeepSpeed JSON config; the loss is already normalised per mini-batch (see `PPOStep._backward`)."""
+    zero: dict[str, Any] = {"stage": int(learner["zero_stage"])}
+    if learner.get("offload_optimizer"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": int(micro_batch_size),
+        "gradient_accumulation_steps": int(grad_accum),
+        "train_batch_size": int(micro_batch_size * grad_accum * world_size),
+        "gradient_clipping": float(learner["grad_clip"]),
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bool(bf16)},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def extensions_dir() -> str:
+    from stapoctl import paths
+
+    path = paths.home() / "torch_extensions"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+class EngineSetup:
+    """Mixin of the learner actor: `setup` (not `__init__`) starts DeepSpeed, so the driver can
+    hand every rank the rendezvous address of rank 0 first; `reset` starts a fresh run (a new
+    sweep trial) in the same process without re-joining the process group."""
+
+    rank: int
+    world_size: int
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's address and a free port on its node (torch.distributed's MASTER_*)."""
+        return node_ip(), free_port()
+
+    def setup(
+        self,
+        model_path: str,
+        learner: dict,
+        loss: dict,
+        *,
+        n_per_prompt: int,
+        temperature: float = 1.0,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_response_length: Optional[int] = None,
+        master_addr: str = "127.0.0.1",
+        master_port: Optional[int] = None,
+    ) -> dict:
+        t0 = time.perf_counter()
+        import torch
+
+        use_cuda = uses_cuda(learner)
+        if not use_cuda:
+            os.environ["DS_ACCELERATOR"] = "cpu"
+        os.environ.update(
+            RANK=str(self.rank),
+            LOCAL_RANK="0" if not use_cuda else os.environ.get("LOCAL_RANK", "0"),
+            WORLD_SIZE=str(self.world_size),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port or free_port()),
+        )
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+        import deepspeed
+
+        if not use_cuda:
+            import deepspeed.comm  # noqa: F401  (loads the submodule patched below)
+
+            # `deepspeed.comm.torch` as an attribute is torch itself; patch the submodule.
+            sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        self.use_cuda = use_cuda
+        out = self.reset(model_path, learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
+                         dtype=dtype, seed=seed, max_response_length=max_response_length)
+        out["setup_s"] = time.perf_counter() - t0
+        return out
+
+    def reset(
+        self,
+        model_path: str,
+        learner: dict,
+        loss: dict,
+        *,
+        n_per_prompt: int,
+        temperature: float = 1.0,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_response_length: Optional[int] = None,
+    ) -> dict:
+        """A fresh model, optimizer and schedule from `model_path`, as a new process would have.
+
+        The process group stays; everything a run's update depends on (weights, Adam moments,
+        lr schedule, RNG, loss config, step counters) is rebuilt, so a sweep trial on a reused
+        learner computes what a freshly started one would.
+        """
+        t0 = time.perf_counter()
+        import deepspeed
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self._release_engine()
+        if not self.use_cuda:
+            torch.set_num_threads(max(1, int(math.floor(float(learner.get("cpus") or 1)))))
+        self.learner = dict(learner)
+        self.loss_cfg = dict(loss)
+        self.loss_name = self.loss_cfg["name"]
+        self.n = int(n_per_prompt)
+        self.temperature = float(temperature)
+        self.max_response_length = max_response_length
+        self.zero_stage = int(learner["zero_stage"])
+        bf16 = dtype in ("bfloat16", "bf16")
+        torch.manual_seed(seed + self.rank)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if bf16 else torch.float32)
+        if learner.get("gradient_checkpointing"):
+            model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        self.micro = int(learner["micro_batch_size"])
+        mini_rows = int(learner["ppo_mini_batch_size"]) * self.n
+        if mini_rows % self.world_size:
+            raise UserError(
+                f"learner.ppo_mini_batch_size={learner['ppo_mini_batch_size']} × rollout.n={self.n} = "
+                f"{mini_rows} sequences do not split evenly over learner.num_ranks={self.world_size}: "
+                "make the ranks divide the mini-batch"
+            )
+        self.mini_rows = mini_rows
+        per_rank = mini_rows // self.world_size
+        grad_accum = max(1, -(-per_rank // self.micro))
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=float(learner["lr"]),
+            betas=tuple(float(b) for b in learner["betas"]),
+            weight_decay=float(learner["weight_decay"]),
+            eps=float(learner.get("adam_eps", 1e-8)),
+        )
+        warmup = int(learner["warmup_steps"])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+        )
+        config = ds_config(learner, micro_batch_size=self.micro, grad_accum=grad_accum,
+                           world_size=self.world_size, bf16=bf16)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+        )
+        self.grad_accum = grad_accum
+        self.optimizer_steps = 0
+        return {"reset_s": time.perf_counter() - t0, "rank": self.rank, "zero_stage": self.zero_stage,
+                "world_size": self.world_size,
+                "params": sum(p.numel() for p in model.parameters()) if self.zero_stage < 3 else -1}
+
+    def _release_engine(self) -> None:
+        """Drop the previous run's engine (ZeRO-3 hooks included) before building the next."""
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
+        try:
+            engine.destroy()
+        except Exception:
+            pass
+        self.engine = self.optimizer = self.scheduler = None
+        import gc
+
+        gc.collect()
+
+    @property
+    def module(self):
+        return self.engine.module
+
+    def shutdown(self) -> None:
+        try:
+            import deepspeed.comm as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass

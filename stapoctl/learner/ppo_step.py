@@ -1,0 +1,280 @@
+"""One training step of a data-parallel rank: recompute old log-probs, then PPO mini-batch updates.
+
+π and H for the STAPO mask come from the learner's own forward pass over the mini-batch (000
+Alg. 1 line 8): for the first mini-batch of a step the recompute pass *is* that pass (same
+weights); later mini-batches get a no-grad pass first when they span several micro-batches,
+and reuse the gradient pass's own detached values when they are a single micro-batch on one rank.
+
+Data parallel: every rank owns an equal slice of each mini-batch. The mini-batch statistics the
+loss needs (h*, the token-mean denominator, group normalisers) are computed over the *whole*
+mini-batch (all ranks' rows, all-gathered), so N ranks give the update 1 rank gives.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional
+
+
+def plan_micro_batches(rows: int, micro: int) -> list[slice]:
+    return [slice(s, min(s + micro, rows)) for s in range(0, rows, micro)]
+
+
+class PPOStep:
+    """Mixin of the learner actor; needs the attributes `EngineSetup.reset` sets."""
+
+    # -- forward ---------------------------------------------------------------------------
+    def _token_stats(self, mb):
+        """(entropy, log_prob, sum_p2) [n, R] of the response tokens; log_prob carries grads."""
+        import torch
+
+        from stapoctl.losses import token_stats
+
+        input_ids = mb.input_ids().to(self.device)
+        attn = mb.attention_mask().to(self.device)
+        pos = mb.position_ids().to(self.device)
+        p, r = mb.prompt_length, mb.response_length
+        labels = torch.where(mb.response_mask, mb.response_ids, -100).to(self.device)
+        chunk = int(self.learner.get("logits_chunk_size") or 1024)
+        if self.zero_stage == 3:
+            # Partitioned weights: go through the module (its hooks gather the shards).
+            logits = self.engine(input_ids=input_ids, attention_mask=attn, position_ids=pos).logits
+            return token_stats(logits[:, p - 1 : p + r - 1], labels, chunk_size=chunk,
+                               temperature=self.temperature, return_sum_p2=True)
+        hidden = self.module.get_decoder()(input_ids=input_ids, attention_mask=attn, position_ids=pos)
+        hidden = hidden.last_hidden_state[:, p - 1 : p + r - 1]
+        return token_stats(hidden, labels, lm_head_weight=self.module.get_output_embeddings().weight,
+                           chunk_size=chunk, temperature=self.temperature, return_sum_p2=True)
+
+    def _no_grad_pass(self, batch, rows: slice):
+        """Entropy, log-prob and sum p² of batch[rows], micro-batch by micro-batch, no grad."""
+        import torch
+
+        ents, lps, p2s = [], [], []
+        sub = batch.select(rows)
+        self.module.eval()  # no dropout in a measurement (Qwen3 has none; other models may)
+        try:
+            with torch.no_grad():
+                for sl in plan_micro_batches(len(sub), self.micro):
+                    ent, lp, p2 = self._token_stats(sub.select(sl))
+                    ents.append(ent.float().cpu()), lps.append(lp.float().cpu()), p2s.append(p2.float().cpu())
+        finally:
+            self.module.train()
+        return torch.cat(ents), torch.cat(lps), torch.cat(p2s)
+
+    def compute_log_probs(self, batch) -> dict:
+        """Learner log-probs and entropies of every response token (0 on padding), all ranks' rows."""
+        import torch
+
+        mine = self._my_rows(len(batch))
+        ent, lp, p2 = self._no_grad_pass(batch, mine)
+        mask = batch.response_mask[mine]
+        ent, lp, p2 = (torch.where(mask, t, 0.0) for t in (ent, lp, p2))
+        ent, lp, p2 = (self._all_gather_rows(t) for t in (ent, lp, p2))
+        return {"log_prob": lp, "entropy": ent, "sum_p2": p2}
+
+    # -- the step -------------------------------------------------------------------------
+    def train_step(self, batch, global_step: int, old_logprob_source: str = "recompute") -> dict:
+        """Recompute old log-probs, then PPO updates over mini-batches. Returns metrics and,
+        for the driver, the recomputed log-probs (rank 0)."""
+        import torch
+
+        t0 = time.perf_counter()
+        stats = self.compute_log_probs(batch)
+        t_ref = time.perf_counter() - t0
+        rmask = batch.response_mask
+        diff = (stats["log_prob"] - batch.rollout_log_probs).abs()
+        diff = torch.where(rmask, diff, 0.0)
+        old = stats["log_prob"] if old_logprob_source == "recompute" else batch.rollout_log_probs
+        batch = batch.with_(old_log_probs=old, entropy=stats["entropy"])
+        t1 = time.perf_counter()
+        metrics = self._update(batch, global_step, first_pass=stats)
+        t_update = time.perf_counter() - t1
+        metrics.update(
+            {
+                "rollout/logprob_diff_max": float(diff.max()) if rmask.any() else 0.0,
+                "rollout/logprob_diff_mean": float(diff.sum() / rmask.sum().clamp(min=1)),
+                "timing_s/ref": t_ref,
+                "timing_s/update": t_update,
+                "perf/train_tokens_per_s": float(rmask.sum()) / max(t_ref + t_update, 1e-9),
+            }
+        )
+        metrics["_old_log_probs"] = old
+        metrics["_entropy"] = stats["entropy"]
+        return metrics
+
+    def _update(self, batch, global_step: int, first_pass: dict) -> dict:
+        from stapoctl.losses import compute_policy_loss, prepare_minibatch, slice_context
+
+        acc = MetricAccumulator(self._all_gather_objects)
+        epochs = int(self.learner.get("ppo_epochs") or 1)
+        n_rows = len(batch)
+        cfg = self.loss_cfg
+        updated = False
+        grad_norms = []
+        for _ in range(epochs):
+            for start in range(0, n_rows, self.mini_rows):
+                mini_sl = slice(start, min(start + self.mini_rows, n_rows))
+                mini = batch.select(mini_sl)
+                mine = self._my_rows(len(mini))
+                micro_sls = plan_micro_batches(mine.stop - mine.start, self.micro)
+                single = len(micro_sls) == 1 and self.world_size == 1
+                extras = {"group_ids": mini.group_ids, "global_step": int(global_step)}
+                if self.max_response_length:
+                    extras["max_response_length"] = int(self.max_response_length)
+                if not updated:
+                    ent, lp, p2 = (first_pass[k][mini_sl] for k in ("entropy", "log_prob", "sum_p2"))
+                    context = prepare_minibatch(self.loss_name, log_prob=lp, advantages=mini.advantages,
+                                                response_mask=mini.response_mask, entropy=ent,
+                                                old_log_prob=mini.old_log_probs, sum_p2=p2, **extras, **cfg)
+                elif single:
+                    ent = lp = context = None  # taken from the gradient pass below
+                else:
+                    ent, lp, p2 = self._no_grad_pass(mini, mine)
+                    ent, lp, p2 = (self._all_gather_rows(t) for t in (ent, lp, p2))
+                    context = prepare_minibatch(self.loss_name, log_prob=lp, advantages=mini.advantages,
+                                                response_mask=mini.response_mask, entropy=ent,
+                                                old_log_prob=mini.old_log_probs, sum_p2=p2, **extras, **cfg)
+                for k, sl in enumerate(micro_sls):
+                    rows = slice(mine.start + sl.start, mine.start + sl.stop)
+                    mb = mini.select(rows)
+                    ent_g, lp_g, p2_g = self._token_stats(mb)
+                    mask = mb.response_mask.to(self.device)
+                    if context is None:
+                        context = prepare_minibatch(self.loss_name, log_prob=lp_g.detach(),
+                                                    advantages=mb.advantages, response_mask=mask,
+                                                    entropy=ent_g, old_log_prob=mb.old_log_probs,
+                                                    sum_p2=p2_g, **extras, **cfg)
+                        ent_mb = ent_g
+                    else:
+                        ent_mb = ent[rows].to(self.device)
+                    mb_extras = dict(extras, group_ids=mb.group_ids.to(self.device))
+                    loss, m = compute_policy_loss(
+                        self.loss_name,
+                        log_prob=lp_g,
+                        old_log_prob=mb.old_log_probs.to(self.device),
+                        advantages=_dev(mb.advantages, self.device),
+                        response_mask=mask,
+                        entropy=ent_mb,
+                        sum_p2=p2_g,
+                        **mb_extras,
+                        **cfg,
+                        **slice_context(context, rows),
+                    )
+                    boundary_norm = self._backward(loss, boundary=k == len(micro_sls) - 1)
+                    acc.add(m)
+                grad_norms.append(self._optimizer_step(boundary_norm))
+                acc.end_minibatch()
+                updated = True
+                context = None
+        out = acc.result()
+        out["actor/grad_norm"] = float(sum(grad_norms) / max(len(grad_norms), 1))
+        out["actor/lr"] = float(self.scheduler.get_last_lr()[0]) if self.scheduler else float(self.learner["lr"])
+        out["actor/optimizer_steps"] = float(self.optimizer_steps)
+        return out
+
+    def _backward(self, loss, boundary: bool) -> Optional[float]:
+        """backward + engine.step(); at the accumulation boundary that step is the optimizer's.
+
+        The loss library already normalises by the mini-batch (sum of micro losses = mini
+        loss), so DeepSpeed must not divide by the accumulation steps; its allreduce
+        averages over ranks, so each rank's share is scaled back up to a sum.
+        """
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        norm = None
+        if boundary and self.zero_stage == 0:
+            # ZeRO-0 clips without recording the norm; measure it before the step clips it
+            # (at the boundary the gradients are already all-reduced, so every rank sees the global norm).
+            import torch
+
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        self.engine.step()
+        return norm
+
+    def _optimizer_step(self, measured: Optional[float]) -> float:
+        """The last micro-batch's `engine.step()` was the accumulation boundary: its grad norm."""
+        self.optimizer_steps += 1
+        norm = self.engine.get_global_grad_norm()
+        if norm is None or not math.isfinite(float(norm)):
+            norm = measured
+        return float(norm) if norm is not None else float("nan")
+
+    # -- data parallel -----------------------------------------------------------------------
+    def _my_rows(self, n_rows: int) -> slice:
+        if self.world_size == 1:
+            return slice(0, n_rows)
+        per = n_rows // self.world_size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def _all_gather_rows(self, t):
+        if self.world_size == 1:
+            return t
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(t).to(self.device) for _ in range(self.world_size)]
+        dist.all_gather(parts, t.to(self.device))
+        return torch.cat([p.cpu() for p in parts])
+
+    def _all_gather_objects(self, obj) -> list:
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def _dev(t, device):
+    return t.to(device) if t is not None else None
+
+
+class MetricAccumulator:
+    """Micro-batch metrics → mini-batch (sum the loss, token-weight the ratios) → step mean.
+
+    With several ranks, each mini-batch's sums and weights are combined over the ranks, so the
+    metrics describe the whole mini-batch (as one rank holding it all would report them).
+    """
+
+    SUM_KEYS = ("actor/pg_loss", "stapo/spurious_count", "loss/response_tokens")
+
+    def __init__(self, gather=None) -> None:
+        self.gather = gather or (lambda obj: [obj])
+        self.mini: list[dict[str, float]] = []
+        self.cur_sum: dict[str, float] = {}
+        self.cur_w: dict[str, float] = {}
+
+    def add(self, m: dict) -> None:
+        w = float(m.get("loss/response_tokens", 1.0)) or 0.0
+        for k, v in m.items():
+            v = float(v)
+            if k in self.SUM_KEYS or k.endswith("_count"):
+                self.cur_sum[k] = self.cur_sum.get(k, 0.0) + v
+                self.cur_w[k] = -1.0
+            else:
+                self.cur_sum[k] = self.cur_sum.get(k, 0.0) + v * w
+                self.cur_w[k] = self.cur_w.get(k, 0.0) + w
+
+    def end_minibatch(self) -> None:
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        for part_sum, part_w in self.gather((self.cur_sum, self.cur_w)):
+            for k, s in part_sum.items():
+                sums[k] = sums.get(k, 0.0) + s
+                w = part_w[k]
+                weights[k] = -1.0 if w < 0 else weights.get(k, 0.0) + w
+        out = {}
+        for k, s in sums.items():
+            w = weights[k]
+            out[k] = s if w < 0 else (s / w if w > 0 else 0.0)
+        self.mini.append(out)
+        self.cur_sum, self.cur_w = {}, {}
+
+    def result(self) -> dict[str, float]:
+        if not self.mini:
+            return {}
+        keys = set().union(*self.mini)
+        return {k: sum(m.get(k, 0.0) for m in self.mini) / len(self.mini) for k in keys}

@@ -1,0 +1,95 @@
+"""What leaves or enters a learner rank besides a batch: weights for the rollout workers
+(full tensors, gathered from ZeRO-3 shards) and checkpoints (DeepSpeed state + an HF model dir).
+
+Gathering ZeRO-3 parameters is a collective: every rank must enter it, even though only
+rank 0 keeps the result. The driver therefore calls these methods on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any, Sequence
+
+
+class StateIO:
+    """Mixin of the learner actor; needs the attributes `EngineSetup.reset` sets."""
+
+    def _gathered(self, modifier_rank=None):
+        """Full parameters inside the block under ZeRO-3; changes persist only from `modifier_rank`."""
+        if self.zero_stage != 3:
+            return nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=modifier_rank)
+
+    def weights(self) -> list:
+        """(name, tensor) of the full model, on CPU, for the rollout workers (rank 0's copy)."""
+        with self._gathered():
+            state = [(k, v.detach().to("cpu", copy=True).contiguous())
+                     for k, v in self.module.state_dict().items()] if self.rank == 0 else []
+        return state
+
+    def full_state_dict(self) -> dict:
+        """name → full CPU tensor (gathered under ZeRO-3), tied weights under both names."""
+        with self._gathered():
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def init_weight_transfer(self, backend: str, rollout_handles: Sequence[Any], vllm_world_size: int) -> None:
+        """GPU only (untested here): open the NCCL/IPC link to the vLLM workers."""
+        from stapoctl.learner.engine_setup import free_port, node_ip
+        from stapoctl.sync.gpu_transfer import make_trainer_engine
+
+        self.transfer = make_trainer_engine(
+            backend, self.module, rollout_handles, rank=self.rank, master_address=node_ip(),
+            master_port=free_port(), vllm_world_size=vllm_world_size,
+        )
+
+    def send_weights(self) -> float:
+        t0 = time.perf_counter()
+        with self._gathered():
+            self.transfer.send_weights()
+        return time.perf_counter() - t0
+
+    def perturb_weights(self, scale: float, seed: int = 0) -> None:
+        """Add seeded noise to every weight (tests: make the learner differ from vLLM)."""
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad(), self._gathered(modifier_rank=0):
+            for p in self.module.parameters():
+                p.add_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p) * scale)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self, step_dir: str, tokenizer_dir: str) -> dict:
+        """HF model dir (loadable by vLLM and eval) + DeepSpeed state (optimizer, scheduler, RNG)."""
+        from pathlib import Path
+
+        import torch
+        from transformers import AutoTokenizer
+
+        t0 = time.perf_counter()
+        out = Path(step_dir)
+        self.engine.save_checkpoint(str(out / "state"), tag="ds",
+                                    client_state={"optimizer_steps": self.optimizer_steps,
+                                                  "torch_rng": torch.get_rng_state()})
+        with self._gathered():  # every rank joins the gather; rank 0 writes
+            state = ({k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+                     if self.rank == 0 else None)
+        if self.rank == 0:
+            self.module.save_pretrained(str(out / "model"), state_dict=state, safe_serialization=True)
+            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(str(out / "model"))
+        return {"save_s": time.perf_counter() - t0}
+
+    def load(self, step_dir: str) -> dict:
+        from pathlib import Path
+
+        import torch
+
+        _, client = self.engine.load_checkpoint(str(Path(step_dir) / "state"), tag="ds",
+                                                load_optimizer_states=True, load_lr_scheduler_states=True)
+        client = client or {}
+        self.optimizer_steps = int(client.get("optimizer_steps", 0))
+        if "torch_rng" in client:
+            torch.set_rng_state(client["torch_rng"])
+        return {"optimizer_steps": self.optimizer_steps}

@@ -1,0 +1,117 @@
+"""Engines kept warm across runs: the trials of a sweep reuse one Ray runtime, one set of vLLM
+actors, the learner ranks and the verifier pool instead of paying ~45 s of start-up each.
+
+Between runs the learner ranks are `reset` (base weights reloaded, a fresh optimizer and lr
+schedule, the run's seed and loss config) and the base weights are pushed to every vLLM actor,
+so a trial on reused engines computes what a fresh process would (tests/test_session.py checks
+the first step's batch, loss and entropy). Engines are restarted only when the next run needs
+different ones: another model, dtype, actor count or resources, context length, reward setup.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+# Config keys whose change needs new engines (everything else is applied by a reset).
+RESTART_KEYS = (
+    "model.dtype",
+    "rollout.engine", "rollout.num_workers", "rollout.cpus_per_worker", "rollout.gpus_per_worker",
+    "rollout.tensor_parallel_size", "rollout.gpu_memory_utilization", "rollout.kv_cache_gb",
+    "rollout.enforce_eager", "rollout.weight_sync", "rollout.resources", "rollout.placement_strategy",
+    "learner.backend", "learner.num_ranks", "learner.gpus_per_rank", "learner.cpus", "learner.resources",
+    "learner.placement_strategy", "learner.placement",
+    "cluster",
+)
+
+
+def engine_key(conf: DictConfig, policy_path: str) -> str:
+    """What the running engines were built for; equal keys ⇒ a reset is enough."""
+    from stapoctl.trainer.engines import max_model_len
+
+    parts: dict[str, Any] = {"policy": policy_path, "max_model_len": max_model_len(conf, policy_path)}
+    for key in RESTART_KEYS:
+        node = OmegaConf.select(conf, key)
+        parts[key] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    return repr(sorted(parts.items()))
+
+
+class EngineSession:
+    """Owns engines + verifier pool across runs; `close()` (or the context manager) stops them."""
+
+    def __init__(self, console: Optional[Console] = None):
+        self.console = console or Console()
+        self.engines = None
+        self.scorer = None
+        self.key: Optional[str] = None
+        self.scorer_key: Optional[str] = None
+        self.started_ray = False
+        self.runs = 0
+
+    def __enter__(self) -> "EngineSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def acquire(self, conf: DictConfig, policy_path: str) -> tuple[Any, Any]:
+        """Engines ready for a new run of `conf` starting from `policy_path`'s weights."""
+        import ray
+
+        from stapoctl.reward.pool import RewardPool
+        from stapoctl.trainer.engines import learner_args, start_engines
+
+        reward_key = repr(OmegaConf.to_container(conf.reward, resolve=True))
+        if self.scorer is not None and reward_key != self.scorer_key:
+            self.scorer.close()
+            self.scorer = None
+        if self.scorer is None:
+            self.scorer, self.scorer_key = RewardPool(conf.reward), reward_key
+        key = engine_key(conf, policy_path)
+        if self.engines is not None and key == self.key:
+            t0 = time.perf_counter()
+            args = learner_args(conf)
+            ray.get([h.reset.remote(policy_path, **args) for h in self.engines.learners])
+            self.engines.sync.push()  # every vLLM actor back to the base weights
+            self.engines.info["reset_s"] = time.perf_counter() - t0
+            self.engines.info["reused"] = True
+            self.runs += 1
+            return self.engines, self.scorer
+        self._stop_engines()
+        with self.console.status(f"starting Ray, {conf.rollout.num_workers} vLLM rollout actor(s) and "
+                                 f"{conf.learner.num_ranks} DeepSpeed learner rank(s) (ZeRO-{conf.learner.zero_stage})…"):
+            was_up = ray.is_initialized()
+            self.engines = start_engines(conf, policy_path, self.console)
+            self.started_ray = self.started_ray or not was_up
+        self.engines.info["reused"] = False
+        self.key = key
+        self.runs += 1
+        return self.engines, self.scorer
+
+    def discard(self) -> None:
+        """Forget the engines after a failed run: they may hold a half-finished step."""
+        self._stop_engines()
+
+    def _stop_engines(self) -> None:
+        if self.engines is not None:
+            try:
+                self.engines.shutdown()
+            finally:
+                self.engines, self.key = None, None
+
+    def close(self) -> None:
+        """vLLM first (shared memory), then the actors, the verifier pool and the Ray we started."""
+        try:
+            self._stop_engines()
+        finally:
+            if self.scorer is not None:
+                self.scorer.close()
+                self.scorer = None
+            if self.started_ray:
+                from stapoctl.launch.ray_runtime import shutdown_ray
+
+                shutdown_ray()
+                self.started_ray = False

@@ -1,0 +1,108 @@
+"""Data-parallel learner: 2 ranks (gloo, two Ray actors) compute the update 1 rank computes.
+
+Both groups run the real DeepSpeed engine in Ray actors and get the same fixed batch. The loss
+normaliser and the mini-batch statistics (h*, the token-mean denominator) must be global, the
+gradients all-reduced into a sum, the metrics combined over ranks — any of these done per rank
+shows up as a difference in loss, grad norm or weights. The same two groups are `reset` between
+cases (ZeRO stage, loss), which also exercises the learner reuse sweeps depend on: a reset rank
+must start from the base weights with a fresh optimizer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_learner import EPS, LR, N, WD, fixed_batch, reference_updates
+
+pytestmark = pytest.mark.engine
+
+MINI_PROMPTS, MICRO = 2, 2  # 8 rows per mini-batch: 4 per rank → 2 micro-batches per rank
+
+
+def learner_cfg(zero_stage: int, ranks: int) -> dict:
+    return dict(zero_stage=zero_stage, lr=LR, betas=[0.9, 0.999], weight_decay=WD, adam_eps=EPS, warmup_steps=0,
+                grad_clip=1.0, ppo_mini_batch_size=MINI_PROMPTS, micro_batch_size=MICRO, ppo_epochs=1,
+                logits_chunk_size=7, cpus=0.5, num_ranks=ranks, gpus_per_rank=0)
+
+
+def loss_cfg(name: str) -> dict:
+    from stapoctl.losses import LOSSES
+
+    cfg = {"name": name, **vars(LOSSES[name].config_cls())}
+    if name == "stapo":
+        cfg.update(tau_p=0.01)  # a random 512-token model: most probabilities are ~1/512, the mask fires
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    import ray
+
+    from stapoctl.config.schema import TinyModelConfig
+    from stapoctl.launch.ray_runtime import ensure_ray
+    from stapoctl.learner.deepspeed_learner import make_learner_group
+    from stapoctl.models.tiny import build_random
+
+    model_dir = str(build_random(tmp_path_factory.mktemp("tiny_random"), TinyModelConfig(), seed=0))
+    was_up = ray.is_initialized()
+    ensure_ray(None)
+    made = {}
+    for ranks in (1, 2):
+        made[ranks], _ = make_learner_group(model_dir, learner_cfg(0, ranks), loss_cfg("grpo"), n_per_prompt=N,
+                                            temperature=1.0, dtype="float32", seed=0)
+    yield {"dir": model_dir, **made}
+    for handles in (made[1], made[2]):
+        ray.get([h.shutdown.remote() for h in handles])
+        for h in handles:
+            ray.kill(h)
+    if not was_up:
+        ray.shutdown()
+
+
+def run_case(handles, model_dir, zero_stage, loss, batch):
+    import ray
+
+    ranks = len(handles)
+    ray.get([h.reset.remote(model_dir, learner_cfg(zero_stage, ranks), loss_cfg(loss), n_per_prompt=N, seed=0)
+             for h in handles])
+    metrics = ray.get([h.train_step.remote(batch, 1) for h in handles])[0]
+    weights = ray.get([h.full_state_dict.remote() for h in handles])[0]
+    return metrics, weights
+
+
+@pytest.mark.parametrize("loss", ["grpo", "stapo"])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_two_ranks_equal_one_rank(groups, zero_stage, loss):
+    from transformers import AutoTokenizer
+
+    batch = fixed_batch(AutoTokenizer.from_pretrained(groups["dir"]).pad_token_id)
+    one, w1 = run_case(groups[1], groups["dir"], zero_stage, loss, batch)
+    two, w2 = run_case(groups[2], groups["dir"], zero_stage, loss, batch)
+
+    assert one["actor/optimizer_steps"] == two["actor/optimizer_steps"] == 2  # two mini-batches
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac", "stapo/spurious_ratio",
+                "stapo/entropy_threshold", "loss/response_tokens"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
+    assert torch.allclose(two["_old_log_probs"], one["_old_log_probs"], atol=1e-6, rtol=0)
+    worst = max(float((w2[k] - w1[k]).abs().max()) for k in w1)
+    assert worst < 1e-5, f"2-rank weights differ from 1-rank weights by {worst:.3g}"
+    if loss == "stapo":  # the global h* / renormaliser matter only if the mask fired
+        assert one["stapo/spurious_ratio"] > 0.05
+    else:  # and the 1-rank GRPO update is the plain-torch one (tests/test_learner.py's reference)
+        ref_model, _, ref_norms, ref_losses = reference_updates(groups["dir"], batch, MINI_PROMPTS * N)
+        assert one["actor/grad_norm"] == pytest.approx(sum(ref_norms) / 2, rel=1e-5)
+        ref_worst = max(float((w1[n] - p.detach()).abs().max()) for n, p in ref_model.named_parameters())
+        assert ref_worst < 1e-5
+
+
+def test_reset_restores_the_base_weights_and_a_fresh_optimizer(groups):
+    """After a trained case, a reset rank starts over: same first-step result as before."""
+    from transformers import AutoTokenizer
+
+    batch = fixed_batch(AutoTokenizer.from_pretrained(groups["dir"]).pad_token_id)
+    first, w_first = run_case(groups[2], groups["dir"], 0, "grpo", batch)
+    again, w_again = run_case(groups[2], groups["dir"], 0, "grpo", batch)
+    assert again["actor/pg_loss"] == first["actor/pg_loss"]
+    assert again["actor/grad_norm"] == first["actor/grad_norm"]
+    assert max(float((w_again[k] - w_first[k]).abs().max()) for k in w_first) == 0.0
