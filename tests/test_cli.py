@@ -111,7 +111,7 @@ def test_model_override_accepts_an_hf_id():
         ("trainer.total_step=3", "unknown config key 'trainer.total_step'; did you mean 'trainer.total_steps'?"),
         ("loss=stapoo", "unknown option 'loss=stapoo': did you mean 'loss=stapo'?"),
         ("experiment=stapo_qwen3_9b", "did you mean 'stapo_qwen3_8b'?"),
-        ("learner.zero_stage=7", "learner.zero_stage=7: use 0, 1, 2 or 3"),
+        ("learner.zero_stage=7", "learner.zero_stage=7 must be 0, 1, 2 or 3"),
         ("trainer.total_steps=abc", "trainer.total_steps=abc"),
     ],
 )

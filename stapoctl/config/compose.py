@@ -213,21 +213,10 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Cross-field checks Hydra's types cannot express."""
-    if cfg.eval.decoding not in ("train", "justrl", "both"):
-        raise ConfigError(
-            f"eval.decoding='{cfg.eval.decoding}' is not one of train|justrl|both"
-        )
-    if cfg.rollout.old_logprob_source not in ("recompute", "rollout"):
-        raise ConfigError(
-            f"rollout.old_logprob_source='{cfg.rollout.old_logprob_source}': use recompute or rollout"
-        )
-    if not 0 <= cfg.learner.zero_stage <= 3:
-        raise ConfigError(f"learner.zero_stage={cfg.learner.zero_stage}: use 0, 1, 2 or 3")
-    if cfg.data.template not in ("chat", "plain"):
-        raise ConfigError(f"data.template='{cfg.data.template}': use chat or plain")
-    if cfg.cluster.name not in ("local", "ray", "slurm"):
-        raise ConfigError(f"cluster.name='{cfg.cluster.name}': use local, ray or slurm")
+    """Declared field ranges and cross-field rules (`config.validate`), one line per problem."""
+    from stapoctl.config.validate import validate_config
+
+    validate_config(cfg)
 
 
 def to_flat_dict(cfg: DictConfig) -> dict[str, Any]:

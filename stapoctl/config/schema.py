@@ -1,7 +1,8 @@
 """Typed config schema. Every field here is a knob a run records in MLflow.
 
 Groups mirror the packages (model, data, loss, rollout, learner, reward, eval, tracking,
-cluster, trainer). The loss group's nodes come from the loss registry (`stapoctl.losses.LOSSES`),
+cluster, trainer). A field with a limited set of valid values declares it (`spec(..., range=
+"[1, inf)")` or `choices=`, see `config.fields`); `config.validate` checks every run against them. The loss group's nodes come from the loss registry (`stapoctl.losses.LOSSES`),
 so a new method needs no edit here.
 """
 
@@ -12,6 +13,13 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from stapoctl.config.fields import spec
+
+POSITIVE_INT = "[1, inf)"
+NON_NEGATIVE = "[0, inf)"
+POSITIVE = "(0, inf)"
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 STAPO_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -68,10 +76,10 @@ class DataConfig:
     # a local jsonl/parquet replacing the hub download
     source: Optional[str] = None
     # how the instruction is wrapped: "chat" (the tokenizer's chat template) or "plain"
-    template: str = "chat"
+    template: str = spec("chat", choices=("chat", "plain"))
     instruction: str = STAPO_INSTRUCTION
-    train_batch_size: int = 8  # prompts per rollout step
-    max_prompt_length: int = 64
+    train_batch_size: int = spec(8, range=POSITIVE_INT)  # prompts per rollout step
+    max_prompt_length: int = spec(64, range=POSITIVE_INT)
     shuffle: bool = True
     seed: int = 0
     toy: ToyTaskConfig = field(default_factory=ToyTaskConfig)
@@ -80,47 +88,48 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "vllm"
-    num_workers: int = 1
-    cpus_per_worker: float = 1.0  # fractions allow several actors per core (e.g. 0.5)
-    gpus_per_worker: float = 0.0
+    num_workers: int = spec(1, range=POSITIVE_INT)
+    cpus_per_worker: float = spec(1.0, range=NON_NEGATIVE)  # fractions allow several actors per core (e.g. 0.5)
+    gpus_per_worker: float = spec(0.0, range=NON_NEGATIVE)
     # custom Ray resources each worker's bundle asks for: pins the role to nodes that advertise them
     resources: Dict[str, float] = field(default_factory=dict)
-    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (Ray placement groups)
-    tensor_parallel_size: int = 1
-    n: int = 8  # responses per prompt (the GRPO group)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_response_length: int = 48
-    gpu_memory_utilization: float = 0.5
-    kv_cache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE on a CPU machine
+    placement_strategy: str = spec("PACK", choices=STRATEGIES)  # Ray placement groups
+    tensor_parallel_size: int = spec(1, range=POSITIVE_INT)
+    n: int = spec(8, range="[2, inf)", why="group advantages compare each response with the rest of its group")
+    temperature: float = spec(1.0, range=NON_NEGATIVE)
+    top_p: float = spec(1.0, range="(0, 1]")
+    max_response_length: int = spec(48, range=POSITIVE_INT)
+    gpu_memory_utilization: float = spec(0.5, range="(0, 1]")
+    kv_cache_gb: int = spec(1, range=POSITIVE_INT)  # VLLM_CPU_KVCACHE_SPACE on a CPU machine
     enforce_eager: bool = True
     # old log-probs for the ratio: "recompute" with the learner (verl style) or take vLLM's "rollout"
-    old_logprob_source: str = "recompute"
+    old_logprob_source: str = spec("recompute", choices=("recompute", "rollout"))
     # learner -> vLLM weight transfer: auto (CPU: Ray object store + in-place reload;
     # GPU: CUDA IPC when colocated, NCCL broadcast when disaggregated) | object_store | nccl | ipc
-    weight_sync: str = "auto"
+    weight_sync: str = spec("auto", choices=("auto", "object_store", "nccl", "ipc"))
 
 
 @dataclass
 class LearnerConfig:
     backend: str = "deepspeed"
-    zero_stage: int = 0
-    num_ranks: int = 1  # data-parallel ranks (DeepSpeed processes): gloo on CPU, one GPU each on GPU
-    gpus_per_rank: float = 0.0  # 1 on a GPU cluster; 0 trains on CPU
-    cpus: float = 1.0  # per rank; fractions allow several ranks per core
+    zero_stage: int = spec(0, choices=(0, 1, 2, 3))
+    num_ranks: int = spec(1, range=POSITIVE_INT)  # data-parallel ranks (DeepSpeed processes): gloo on CPU, one GPU each on GPU
+    gpus_per_rank: float = spec(0.0, range=NON_NEGATIVE)  # 1 on a GPU cluster; 0 trains on CPU
+    cpus: float = spec(1.0, range=NON_NEGATIVE)  # per rank; fractions allow several ranks per core
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per rank's bundle
-    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
-    placement: str = "disaggregated"  # or "colocated" (GPU: learner and rollout share devices)
-    lr: float = 1e-6
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
+    placement_strategy: str = spec("PACK", choices=STRATEGIES)
+    # or "colocated" (GPU: learner and rollout share devices)
+    placement: str = spec("disaggregated", choices=("disaggregated", "colocated"))
+    lr: float = spec(1e-6, range=POSITIVE)
+    warmup_steps: int = spec(10, range=NON_NEGATIVE)
+    weight_decay: float = spec(0.0, range=NON_NEGATIVE)
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    ppo_mini_batch_size: int = 64  # prompts per optimizer step
-    micro_batch_size: int = 8  # sequences per forward/backward
-    ppo_epochs: int = 1
-    logits_chunk_size: int = 1024
+    adam_eps: float = spec(1e-8, range=POSITIVE)
+    grad_clip: float = spec(1.0, range=NON_NEGATIVE)
+    ppo_mini_batch_size: int = spec(64, range=POSITIVE_INT)  # prompts per optimizer step
+    micro_batch_size: int = spec(8, range=POSITIVE_INT)  # sequences per forward/backward
+    ppo_epochs: int = spec(1, range=POSITIVE_INT)
+    logits_chunk_size: int = spec(1024, range=POSITIVE_INT)
     gradient_checkpointing: bool = False
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer state on CPU (stages 1-3)
 
@@ -130,12 +139,12 @@ class RewardConfig:
     correct: float = 1.0
     incorrect: float = -1.0
     # hard wall-clock limit per equivalence check (enforced from outside the verifier process)
-    verify_timeout_s: float = 5.0
-    num_workers: int = 2  # verifier subprocesses checking answers in parallel
-    verify_max_memory_gb: float = 4.0  # address-space cap per verifier subprocess (0 = none)
+    verify_timeout_s: float = spec(5.0, range=POSITIVE)
+    num_workers: int = spec(2, range=POSITIVE_INT)  # verifier subprocesses checking answers in parallel
+    verify_max_memory_gb: float = spec(4.0, range=NON_NEGATIVE)  # address-space cap per verifier subprocess (0 = none)
     # a verifier model (e.g. opencompass/CompassVerifier-3B) that corrects the rule verifier; off by default
     model_verifier: Optional[str] = None
-    model_verifier_mode: str = "rescue"  # rescue: re-judge rule rejections only; all: judge every response
+    model_verifier_mode: str = spec("rescue", choices=("rescue", "all"))  # rescue: re-judge rule rejections only; all: judge every response
     model_verifier_prompt: Optional[str] = None  # {question} {gold_answer} {llm_response}; None = built-in
     model_verifier_max_tokens: int = 8
     model_verifier_max_model_len: int = 4096
@@ -147,11 +156,11 @@ class RewardConfig:
 @dataclass
 class EvalConfig:
     benches: List[str] = field(default_factory=lambda: ["toy"])
-    decoding: str = "both"  # train | justrl | both
+    decoding: str = spec("both", choices=("train", "justrl", "both"))
     # samples per problem; None = the paper's default for each benchmark (32 or 4)
-    k: Optional[int] = None
-    max_response_length: int = 20480
-    every_n_steps: int = 0  # 0 = no periodic validation during training
+    k: Optional[int] = spec(None, range=POSITIVE_INT)
+    max_response_length: int = spec(20480, range=POSITIVE_INT)
+    every_n_steps: int = spec(0, range=NON_NEGATIVE)  # 0 = no periodic validation during training
     # per-sample JSONL, summary.json; default STAPOCTL_HOME/eval/<model-slug>/ (reruns resume there)
     output_dir: Optional[str] = None
     seed: int = 0  # sampling seed (per chunk of problems, derived from the first problem id)
@@ -169,12 +178,12 @@ class TrackingConfig:
 
 @dataclass
 class ClusterConfig:
-    name: str = "local"  # local | ray | slurm
+    name: str = spec("local", choices=("local", "ray", "slurm"))
     address: Optional[str] = None  # Ray cluster address (ray://… or auto)
-    num_cpus: Optional[int] = None
-    num_gpus: Optional[int] = None
+    num_cpus: Optional[int] = spec(None, range=POSITIVE_INT)
+    num_gpus: Optional[int] = spec(None, range=NON_NEGATIVE)
     # how long a run waits for busy resources before it gives up (an impossible placement fails at once)
-    placement_timeout_s: float = 60.0
+    placement_timeout_s: float = spec(60.0, range=POSITIVE)
     # SLURM (submitit)
     partition: Optional[str] = None
     account: Optional[str] = None
@@ -187,11 +196,11 @@ class ClusterConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 60
-    save_freq: int = 20
+    total_steps: int = spec(60, range=POSITIVE_INT)
+    save_freq: int = spec(20, range=NON_NEGATIVE)
     seed: int = 0
     output_dir: Optional[str] = None  # checkpoints; default under STAPOCTL_HOME/runs/<run id>
-    log_every: int = 1
+    log_every: int = spec(1, range=POSITIVE_INT)
     val_before_train: bool = True  # validate the starting policy (step 0) when eval.every_n_steps > 0
     log_samples: int = 4  # responses saved as an MLflow text artifact at each validation
 

@@ -17,16 +17,12 @@ class Entropy20Config(AggFields):
     """DAPO surrogate on tokens with H_t >= quantile(H over M, 1 - top_entropy_frac)."""
 
     name: str = _f("entropy20", "registry key of the loss (loss=NAME)")
-    top_entropy_frac: float = _f(0.2, "fraction of highest-entropy response tokens that get gradient")
+    top_entropy_frac: float = _f(0.2, "fraction of highest-entropy response tokens that get gradient",
+                                 range="(0, 1]")
     renormalize: bool = _f(
         False,
         "divide by the selected-token count instead of |M| (the 80/20 paper keeps 1/sum|o_i|)",
     )
-
-    def validate(self) -> None:
-        super().validate()
-        if not 0.0 <= self.top_entropy_frac <= 1.0:
-            raise ValueError(f"{self.name}: top_entropy_frac must lie in [0, 1]")
 
 
 @register_loss("entropy20", Entropy20Config)

@@ -36,14 +36,17 @@ class PositionShapingConfig(GRPOConfig):
     direction: float = _f(1.0, "d: +1 favours later tokens, -1 earlier ones")
     pos_scale: float = _f(15.0, "m in r = m * (l - n) (003 §5)")
     pos_shift: float = _f(0.5, "n in r = m * (l - n); 003 prints -0.5, which makes the bonus constant (READING)")
-    rel_pos_mode: str = _f("closed", "l_t: closed = t/(|o|-1) in [0, 1] (003) | spec = (t+1)/|o| in (0, 1]")
-    start_step: int = _f(0, "first global_step with the bonus (003 used 200, the plateau stage)")
-    stop_step: Optional[int] = _f(None, "first global_step without it again (003: start + 100); None = never")
+    rel_pos_mode: str = _f("closed", "l_t: closed = t/(|o|-1) in [0, 1] (003) | spec = (t+1)/|o| in (0, 1]",
+                           choices=REL_POS_MODES)
+    start_step: int = _f(0, "first global_step with the bonus (003 used 200, the plateau stage)", range="[0, inf)")
+    stop_step: Optional[int] = _f(None, "first global_step without it again (003: start + 100); None = never",
+                                  range="[0, inf)")
 
     def validate(self) -> None:
         super().validate()
-        if self.rel_pos_mode not in REL_POS_MODES:
-            raise ValueError(f"{self.name}: rel_pos_mode={self.rel_pos_mode!r} is not one of {', '.join(REL_POS_MODES)}")
+        if self.stop_step is not None and self.stop_step <= self.start_step:
+            raise ValueError(f"{self.name}: stop_step={self.stop_step} <= start_step={self.start_step} (the bonus "
+                             "window would be empty)")
 
 
 @register_loss("ppl_shaping", PPLShapingConfig)

@@ -33,15 +33,10 @@ class WAPOConfig(ClipFields):
     """WAPO: only A+ terms, 1/(G*T_max) per prompt, prompts without a winner contribute nothing."""
 
     name: str = _f("wapo", "registry key of the loss (loss=NAME)")
-    winner_norm: str = _f("group", "per-prompt divisor: group (G, 002 default) | winners (G*r_bar variant)")
-    prompt_norm: str = _f("winners", "average over prompts with a winner (conditional E_x) | all prompts")
-
-    def validate(self) -> None:
-        super().validate()
-        if self.winner_norm not in WINNER_NORMS:
-            raise ValueError(f"{self.name}: winner_norm={self.winner_norm!r} is not one of {', '.join(WINNER_NORMS)}")
-        if self.prompt_norm not in PROMPT_NORMS:
-            raise ValueError(f"{self.name}: prompt_norm={self.prompt_norm!r} is not one of {', '.join(PROMPT_NORMS)}")
+    winner_norm: str = _f("group", "per-prompt divisor: group (G, 002 default) | winners (G*r_bar variant)",
+                          choices=WINNER_NORMS)
+    prompt_norm: str = _f("winners", "average over prompts with a winner (conditional E_x) | all prompts",
+                          choices=PROMPT_NORMS)
 
 
 def wapo_row_weights(

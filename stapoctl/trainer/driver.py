@@ -26,36 +26,10 @@ TRAIN_DATA = {"toy": "toy-train"}  # data.name → the registry's training split
 
 # -- set-up ---------------------------------------------------------------------------------
 def check_config(conf: DictConfig) -> None:
-    """Cross-field checks that would otherwise fail minutes in, inside an actor."""
-    d, r, lrn, t = conf.data, conf.rollout, conf.learner, conf.trainer
-    if d.train_batch_size < 1:
-        raise UserError(f"data.train_batch_size={d.train_batch_size}: must be >= 1")
-    if lrn.ppo_mini_batch_size < 1 or d.train_batch_size % lrn.ppo_mini_batch_size:
-        raise UserError(
-            f"data.train_batch_size={d.train_batch_size} is not a multiple of "
-            f"learner.ppo_mini_batch_size={lrn.ppo_mini_batch_size}: make the mini-batch divide the batch"
-        )
-    if r.n < 1:
-        raise UserError(f"rollout.n={r.n}: must be >= 1 (8 in the paper)")
-    if r.num_workers < 1:
-        raise UserError(f"rollout.num_workers={r.num_workers}: must be >= 1")
-    if lrn.micro_batch_size < 1:
-        raise UserError(f"learner.micro_batch_size={lrn.micro_batch_size}: must be >= 1")
-    mini_rows, ranks = lrn.ppo_mini_batch_size * r.n, max(1, int(lrn.num_ranks or 1))
-    if mini_rows > lrn.micro_batch_size * ranks and mini_rows % (lrn.micro_batch_size * ranks):
-        raise UserError(
-            f"learner.ppo_mini_batch_size={lrn.ppo_mini_batch_size} × rollout.n={r.n} = {mini_rows} sequences "
-            f"do not split into micro-batches of learner.micro_batch_size={lrn.micro_batch_size} × {ranks} "
-            "rank(s): make the micro-batch divide the mini-batch"
-        )
-    if t.total_steps < 1:
-        raise UserError(f"trainer.total_steps={t.total_steps}: must be >= 1")
-    if lrn.get("offload_optimizer") and int(lrn.zero_stage) < 1:
-        raise UserError("learner.offload_optimizer=true needs learner.zero_stage >= 1 (ZeRO-Offload)")
-    if r.old_logprob_source not in ("recompute", "rollout"):
-        raise UserError(f"rollout.old_logprob_source='{r.old_logprob_source}': use recompute or rollout")
-    if r.max_response_length < 1:
-        raise UserError(f"rollout.max_response_length={r.max_response_length}: must be >= 1")
+    """Everything that would otherwise fail minutes in, inside an actor (see `config.validate`)."""
+    from stapoctl.config.validate import validate_train
+
+    validate_train(conf)
 
 
 def resolve_policy(conf: DictConfig, console: Console) -> str:
