@@ -126,14 +126,26 @@ def validate_train(conf: DictConfig) -> None:
         check_resume(conf)
     check_machine(conf)
     check_dataset(conf, _train_dataset(conf))
+    if int(conf.eval.every_n_steps or 0) > 0:  # periodic validation reads the benchmarks too
+        from stapoctl.eval.benches import expand_benches
+
+        try:
+            benches = expand_benches(list(conf.eval.benches))
+        except UserError as exc:
+            raise UserError(f"eval.benches: {str(exc).removeprefix('--bench ')}") from None
+        for bench in benches:
+            check_dataset(conf, bench, flag="eval.benches")
     if conf.model.path and not conf.resume:
         check_model(conf, str(conf.model.path), "model.path", context_key="rollout.max_response_length")
 
 
-def validate_eval(conf: DictConfig, model: str, benches: Sequence[str]) -> None:
+def validate_eval(conf: DictConfig, model: str, benches: Sequence[str], k: Optional[int] = None) -> None:
     """`stapoctl eval`: the model, every benchmark file and the rollout workers' placement."""
+    from stapoctl.eval.benches import samples_per_problem
+
     check_machine(conf, learner=False)
     for bench in benches:
+        samples_per_problem(bench, k)
         check_dataset(conf, bench, flag="--bench")
     if model:
         check_model(conf, model, "--model" if model != str(conf.model.path or "") else "model.path")
@@ -142,7 +154,10 @@ def validate_eval(conf: DictConfig, model: str, benches: Sequence[str]) -> None:
 def _train_dataset(conf: DictConfig) -> str:
     from stapoctl.data.sources import canonical_name
 
-    name = canonical_name(str(conf.data.name))
+    try:
+        name = canonical_name(str(conf.data.name))
+    except UserError as exc:
+        raise UserError(f"data.name={conf.data.name}: {exc}") from None
     return "toy-train" if name == "toy" else name
 
 
@@ -196,6 +211,7 @@ def check_model(conf: DictConfig, spec: str, key: str, *, context_key: Optional[
     template when data.template=chat, and room for prompt + response in its context."""
     from stapoctl.models.resolve import resolve_model
 
+    _check_store_exists(spec, conf, key)
     path = Path(resolve_model(spec, conf))  # one line for a missing path or an unknown run id
     if not path.is_dir():
         return  # an HF hub id: checked when it is downloaded
@@ -227,15 +243,14 @@ def _read_json(path: Path, key: str) -> dict:
 
 
 def _is_causal_lm(path: Path, config: dict) -> bool:
-    if any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in config.get("architectures") or []):
-        return True
-    try:
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """The architectures config.json names (or, without any, its model_type) include a causal LM."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        return AutoConfig.from_pretrained(str(path)).model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    except Exception:
-        return False
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    architectures = [str(a) for a in config.get("architectures") or []]
+    if architectures:  # e.g. BertModel is not one, although model_type bert has a causal head class
+        return any(a in causal or a.endswith("ForCausalLM") for a in architectures)
+    return config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def _load_tokenizer(path: Path, key: str, spec: str):
@@ -308,11 +323,29 @@ def _peek_rows(path: Path, name: str, key: str, rows: int = 50) -> None:
     )
 
 
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _check_store_exists(spec: str, conf: DictConfig, key: str) -> None:
+    """A run id looked up in a sqlite store that does not exist: say so instead of creating it."""
+    if not _RUN_ID.match(spec.strip()) or Path(spec).expanduser().exists():
+        return
+    from stapoctl.tracking.mlflow_run import tracking_uri
+
+    uri = tracking_uri(conf.tracking.uri)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        raise UserError(
+            f"{key}={spec}: no such run, the MLflow store {uri} does not exist; set tracking.uri "
+            "(or MLFLOW_TRACKING_URI) to the store the run was logged in"
+        )
+
+
 # resume
 def check_resume(conf: DictConfig) -> None:
     """`resume=` names a checkpoint (dir or MLflow run id) of this same experiment."""
     from stapoctl.trainer import checkpoint
 
+    _check_store_exists(str(conf.resume), conf, "resume")
     step_dir = checkpoint.resolve_resume(str(conf.resume), conf.tracking.uri)  # one line if nothing is there
     try:
         state = checkpoint.read_trainer_state(step_dir)

@@ -44,7 +44,10 @@ def expand_benches(names: Sequence[str]) -> list[str]:
             if part.lower() == "all":
                 chosen.extend(PAPER_BENCHES)
                 continue
-            name = canonical_name(part)  # UserError with a suggestion for typos
+            try:
+                name = canonical_name(part)
+            except UserError as exc:  # a typo: name the option, keep the suggestion
+                raise UserError(f"--bench {part}: {exc}") from None
             if name not in EVAL_BENCHES:
                 raise UserError(
                     f"--bench {part}: '{name}' is a training set, not a benchmark; use one of "

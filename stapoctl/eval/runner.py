@@ -234,6 +234,9 @@ def run_eval(conf: Any, benches: Sequence[str], model: str | None = None, k: int
     if max_response < 1:
         raise UserError(f"eval.max_response_length={max_response}: must be >= 1 (e.g. eval.max_response_length=20480)")
     model_spec = model if model is not None else str(conf.model.path or "")
+    from stapoctl.config.validate import validate_eval
+
+    validate_eval(conf, model_spec, bench_names, k=k)  # before the output dir, the tiny model build or Ray
     t_start = time.perf_counter()
     model_path = resolve_model(model_spec, conf)
     out_dir = Path(conf.eval.output_dir).expanduser() if conf.eval.output_dir else paths.home() / "eval" / model_slug(model_path)
