@@ -158,8 +158,25 @@ def ui(
     from stapoctl.tracking.mlflow_run import tracking_uri
     from stapoctl.tracking.runs import serve_ui
 
+    if not is_loopback(host):
+        err_console.print(f"[yellow]warning:[/] --host {host} serves every run, metric and artifact of "
+                          f"{tracking_uri(uri)} without authentication to anyone who can reach this machine; "
+                          "keep the default 127.0.0.1 and use an SSH tunnel to view it remotely",
+                          highlight=False, soft_wrap=True)
     console.print(f"MLflow UI for {tracking_uri(uri)} at http://{host}:{port} (Ctrl-C to stop)")
     raise typer.Exit(serve_ui(uri, host, port))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

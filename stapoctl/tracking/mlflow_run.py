@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from typing import Any, Iterator, Mapping
 
 from stapoctl import paths
@@ -60,18 +61,51 @@ def start_run(
         yield run
 
 
+# -- secrets never reach the store ----------------------------------------------------------------
+# A key is secret when a word of its last dotted component (split at _ - . and case changes) ends
+# in one of these: hf_token, apiKey, api_keys, mlflow_tracking_password, aws_secret_access_key.
+# Words, not substrings, so the counts of the schema stay visible: "max_tokens" (a count of tokens,
+# hence no plural "tokens" here), "num_kv_heads", "tokenizer". A false positive ("monkey") only hides
+# a value; a false negative would leak one.
+SECRET_WORDS = ("token", "secret", "secrets", "password", "passwords", "passwd", "key", "keys")
+REDACTED = "REDACTED"
+_WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
+_URL_PASSWORD = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
+
+
+def is_secret_key(key: str) -> bool:
+    """Whether the value under this (dotted) key must be hidden; see SECRET_WORDS."""
+    last = str(key).rsplit(".", 1)[-1]
+    return any(word.lower().endswith(SECRET_WORDS) for word in _WORD.findall(last))
+
+
+def redact(value: Any, key: str = "") -> Any:
+    """A copy with secret keys' values replaced, and passwords inside URLs (user:pw@host) masked."""
+    if isinstance(value, Mapping):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v, key) for v in value]
+    if key and is_secret_key(key) and value not in (None, ""):
+        return REDACTED
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", value)
+    return value
+
+
 def log_config(cfg: Any) -> None:
-    """Every resolved value as a param (dotted keys) plus the whole YAML as an artifact."""
+    """Every resolved value as a param (dotted keys) plus the whole YAML as an artifact, secrets
+    redacted in both (the run dir's checkpoint keeps the real values: resume needs them)."""
     import mlflow
     from omegaconf import OmegaConf
 
     from stapoctl.config.compose import to_flat_dict
 
-    flat = {k: ("" if v is None else str(v))[:6000] for k, v in to_flat_dict(cfg).items()}
+    safe = OmegaConf.create(redact(OmegaConf.to_container(cfg, resolve=True)))
+    flat = {k: ("" if v is None else str(v))[:6000] for k, v in to_flat_dict(safe).items()}
     items = list(flat.items())
     for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
         mlflow.log_params(dict(items[i : i + 100]))
-    mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+    mlflow.log_text(OmegaConf.to_yaml(safe), "config.yaml")
 
 
 def log_metrics(metrics: Mapping[str, float], step: int) -> None:
@@ -92,7 +126,8 @@ def active_run_id() -> str | None:
 
 
 def env_snapshot() -> dict[str, str]:
-    """Engine versions worth having next to the numbers."""
+    """Engine versions worth having next to the numbers (no environment variables: they hold
+    tokens and passwords; anything added here goes through `redact`)."""
     out = {}
     for mod in ("torch", "vllm", "ray", "deepspeed", "transformers", "mlflow"):
         try:
@@ -100,4 +135,4 @@ def env_snapshot() -> dict[str, str]:
         except Exception:
             out[f"version.{mod}"] = "missing"
     out["host.cpus"] = str(os.cpu_count())
-    return out
+    return redact(out)
