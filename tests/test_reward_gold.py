@@ -166,7 +166,7 @@ class Report:
     failures: list = field(default_factory=list)  # (kind, pred, gold, project verdict, math-verify verdict)
     mv_lenient: list = field(default_factory=list)  # wrong answers math-verify accepts (the project rejects)
     mv_strict: Counter = field(default_factory=Counter)  # rewrite kind -> math-verify rejects, project accepts
-    timeouts: int = 0
+    timeouts: Counter = field(default_factory=Counter)  # kind -> checks past their deadline (scored incorrect)
 
 
 def other_golds(golds: list[str]) -> list[tuple[str, str]]:
@@ -204,7 +204,7 @@ def check_golds(pool: RewardPool, golds: list[str], report: Report, *, all_math_
     verdicts += [(ok, to) for ok, to, _ in pool.checker.check_detailed(others, OTHER_GOLD_TIMEOUT_S)]
     for (kind, pred, gold, good), (correct, timed_out) in zip(pairs, verdicts):
         report.checked[kind] += 1
-        report.timeouts += timed_out
+        report.timeouts[kind] += bool(timed_out)
         needs_mv = all_math_verify or (correct and good is not True) or (good is not None and correct != good)
         mv = math_verify_accepts(pred, gold) if needs_mv else None
         wrong = (good is not None and correct != good) or (good is None and correct and not mv)

@@ -93,6 +93,7 @@ EQUIV_CASES = [
      "an unparseable expression is not the stray number 2 found inside it (math-verify alone accepts)"),
     ("2", "\\hbar \\omega(v+1 / 2)-\\frac{E_{0}^{2} e^{2}}{2 m \\omega^{2}}", False,
      "nor is the bare number 2 that expression"),
+    ("E_{2} - 3", "E_{1} + 3", False, "math-verify alone reads both as 3 (LaTeX fails on E_1, then a stray 3)"),
     ("1/3", "1/3", True, "a plain expression still parses without LaTeX"),
     ("2x+1", "1+2x", True, "a plain expression covering the whole answer is compared symbolically"),
 ]
