@@ -50,7 +50,7 @@ ROWS = [
     ("eval_decoding", ["train", "eval.decoding=greedy"], "eval.decoding=greedy must be train, justrl or both"),
     # a placement that cannot fit: fails at once, naming needed vs available and the fixes
     ("cpus_do_not_fit", ["train", "cluster.num_cpus=2", "rollout.num_workers=2"],
-     "the run needs 3 CPU (2 rollout workers × 1 + 1 learner ranks × 1) and this machine (cluster.num_cpus) has 2: "
+     "the run needs 3 CPU (2 rollout workers × 1 + 1 learner ranks × 1) and this machine has 2: "
      "set cluster.num_cpus"),
     ("verifier_cpus_do_not_fit", ["train", "cluster.num_cpus=2", "reward.model_verifier=x/y"],
      "reward.model_verifier_cpus=1.0"),
@@ -77,7 +77,7 @@ ROWS = [
      "each row needs 'problem'"),
     ("dataset_not_json", ["train", "data.name=dapo-math-17k", "data.source={tmp}/garbage.jsonl"], "invalid JSON"),
     ("dataset_wrong_type", ["train", "data.name=dapo-math-17k", "data.source={tmp}/rows.csv"],
-     "unsupported file type '.csv'"),
+     "data.source: {tmp}/rows.csv is a '.csv' file: give a .jsonl or .parquet file"),
     ("dataset_unknown", ["train", "data.name=dapo-math-18k"], "data.name=dapo-math-18k: unknown dataset"),
     ("validation_bench_unknown", ["train", "eval.every_n_steps=5", "eval.benches=[aime23]"],
      "eval.benches: aime23: unknown dataset 'aime23'"),

@@ -185,7 +185,7 @@ def check_machine(conf: DictConfig, *, learner: bool = True) -> None:
     cpus = float(c.num_cpus or os.cpu_count() or 1)
     have = {"CPU": cpus, "GPU": float(c.num_gpus if c.num_gpus is not None else gpus)}
     plans = [p for p in role_plans(conf.rollout, conf.learner) if learner or p.role == "rollout"]
-    check_fits(plans, have, where=f"this machine ({'cluster.num_cpus' if c.num_cpus else 'os.cpu_count()'})")
+    check_fits(plans, have, where="this machine")
     if conf.reward.model_verifier:
         need = sum(p.bundle.get("CPU", 0) * p.count for p in plans) + float(conf.reward.model_verifier_cpus)
         if need > cpus:
@@ -290,6 +290,8 @@ def check_dataset(conf: DictConfig, name: str, flag: str = "data.name") -> None:
 def _peek_rows(path: Path, name: str, key: str, rows: int = 50) -> None:
     from stapoctl.data import sources as S
 
+    if path.suffix.lower() not in (".jsonl", ".json", ".parquet"):
+        raise UserError(f"{key}: {path} is a '{path.suffix}' file: give a .jsonl or .parquet file")
     if path.suffix.lower() in (".jsonl", ".json"):
         try:
             with open(path, encoding="utf-8") as fh:
@@ -307,8 +309,8 @@ def _peek_rows(path: Path, name: str, key: str, rows: int = 50) -> None:
                 return  # one usable row: the loader reports (and skips) any malformed ones
             except S.MalformedRow as exc:
                 if first_problem is None:
-                    columns = ", ".join(sorted(raw)) if isinstance(raw, dict) else type(raw).__name__
-                    first_problem = f"line {index}: {exc} (columns: {columns})"
+                    columns = f" (columns: {', '.join(sorted(raw))})" if isinstance(raw, dict) else ""
+                    first_problem = f"line {index}: {exc}{columns}"
             if seen >= rows:
                 break
     except UserError:
