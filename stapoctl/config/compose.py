@@ -33,6 +33,7 @@ HF_MODELS = {
 }
 
 _registered = False
+DICT_FIELDS = ("rollout.resources", "learner.resources")
 
 
 def register_configs() -> None:
@@ -184,6 +185,10 @@ def _explain(exc: Exception, experiment: str, overrides: list[str]) -> ConfigErr
         valid = _valid_keys(S.StapoctlConfig) + [
             "loss." + k for k in _valid_keys(_loss_schema(experiment, overrides, bad))
         ]
+        parent = bad.rpartition(".")[0]
+        if parent in DICT_FIELDS:  # a map of user keys (e.g. custom Ray resources): new keys need '+'
+            value = next(o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+~") == bad)
+            return ConfigError(f"'{bad}' adds a key to the map {parent}: write +{bad}={value}")
         near = _closest(bad, sorted(set(valid)))
         hint = f"; did you mean '{near}'?" if near else ""
         return ConfigError(f"unknown config key '{bad}'{hint}")
@@ -218,9 +223,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"eval.decoding='{cfg.eval.decoding}' is not one of train|justrl|both"
         )
-    if cfg.rollout.old_logprob_source not in ("recompute", "rollout"):
+    if cfg.rollout.old_logprob_source not in ("auto", "recompute", "rollout"):
         raise ConfigError(
-            f"rollout.old_logprob_source='{cfg.rollout.old_logprob_source}': use recompute or rollout"
+            f"rollout.old_logprob_source='{cfg.rollout.old_logprob_source}': use auto, recompute or rollout"
         )
     if not 0 <= cfg.learner.zero_stage <= 3:
         raise ConfigError(f"learner.zero_stage={cfg.learner.zero_stage}: use 0, 1, 2 or 3")
