@@ -4,6 +4,8 @@
 session (~80 s) and shared by every engine test that trains or evaluates the embedded default.
 Each test still keeps its own MLflow store and run dirs (pass `tracking.uri=` / output dirs under
 tmp_path), so tests stay independent while the expensive build is paid once.
+Developers iterating on engine tests can set STAPOCTL_TEST_HOME=<dir> to keep that model across
+sessions (the build is cached by its config hash, so a stale model is never reused).
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ def shared_home(tmp_path_factory) -> SimpleNamespace:
     from stapoctl.config.compose import compose_config
     from stapoctl.models.tiny import ensure_base_model
 
-    home = tmp_path_factory.mktemp("shared_home")
+    import os
+
+    home = Path(os.environ["STAPOCTL_TEST_HOME"]) if os.environ.get("STAPOCTL_TEST_HOME") else \
+        tmp_path_factory.mktemp("shared_home")
     mp = pytest.MonkeyPatch()
     mp.setenv("STAPOCTL_HOME", str(home))
     try:

@@ -33,6 +33,7 @@ HF_MODELS = {
 }
 
 _registered = False
+DICT_FIELDS = ("rollout.resources", "learner.resources")
 
 
 def register_configs() -> None:
@@ -184,6 +185,10 @@ def _explain(exc: Exception, experiment: str, overrides: list[str]) -> ConfigErr
         valid = _valid_keys(S.StapoctlConfig) + [
             "loss." + k for k in _valid_keys(_loss_schema(experiment, overrides, bad))
         ]
+        parent = bad.rpartition(".")[0]
+        if parent in DICT_FIELDS:  # a map of user keys (e.g. custom Ray resources): new keys need '+'
+            value = next(o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+~") == bad)
+            return ConfigError(f"'{bad}' adds a key to the map {parent}: write +{bad}={value}")
         near = _closest(bad, sorted(set(valid)))
         hint = f"; did you mean '{near}'?" if near else ""
         return ConfigError(f"unknown config key '{bad}'{hint}")

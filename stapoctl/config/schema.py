@@ -102,8 +102,16 @@ class RolloutConfig:
     gpu_memory_utilization: float = spec(0.5, range="(0, 1]")
     kv_cache_gb: int = spec(1, range=POSITIVE_INT)  # VLLM_CPU_KVCACHE_SPACE on a CPU machine
     enforce_eager: bool = True
-    # old log-probs for the ratio: "recompute" with the learner (verl style) or take vLLM's "rollout"
-    old_logprob_source: str = spec("recompute", choices=("recompute", "rollout"))
+    # old log-probs for the ratio: "recompute" with the learner (verl style), take vLLM's "rollout"
+    # (equal to the learner's in fp32 at T=1: one forward pass less per step), or "auto" (rollout
+    # where they match — synchronous, fp32, T=1 — recompute elsewhere)
+    old_logprob_source: str = spec("auto", choices=("auto", "recompute", "rollout"))
+    # with vLLM's log-probs as old ones, measure the learner's anyway every N steps (and at the first):
+    # the sync canary rollout/logprob_diff_max and the token diagnostics need that pass
+    logprob_check_every: int = spec(10, range=NON_NEGATIVE)
+    # intra-op threads of each vLLM actor; 0 = auto (sync loop: the node's cores shared by the workers,
+    # since one phase runs at a time; async: the actor's own CPU share)
+    num_threads: int = spec(0, range=NON_NEGATIVE)
     # learner -> vLLM weight transfer: auto (CPU: Ray object store + in-place reload;
     # GPU: CUDA IPC when colocated, NCCL broadcast when disaggregated) | object_store | nccl | ipc
     weight_sync: str = spec("auto", choices=("auto", "object_store", "nccl", "ipc"))
@@ -132,6 +140,7 @@ class LearnerConfig:
     logits_chunk_size: int = spec(1024, range=POSITIVE_INT)
     gradient_checkpointing: bool = False
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer state on CPU (stages 1-3)
+    num_threads: int = 0  # intra-op threads per rank; 0 = auto (as rollout.num_threads)
 
 
 @dataclass
@@ -203,6 +212,12 @@ class TrainerConfig:
     log_every: int = spec(1, range=POSITIVE_INT)
     val_before_train: bool = True  # validate the starting policy (step 0) when eval.every_n_steps > 0
     log_samples: int = 4  # responses saved as an MLflow text artifact at each validation
+    # sync: rollout → update → sync, one phase at a time. async: the rollouts of the next
+    # max_staleness steps are generated while the learner updates (verl's one-step off-policy
+    # at 1); stale batches get the decoupled-PPO importance weight min(π_old/π_behav, is_cap).
+    mode: str = spec("sync", choices=("sync", "async"))
+    max_staleness: int = spec(1, range=NON_NEGATIVE, why="0 = synchronous")
+    is_cap: float = spec(2.0, range="[1, inf)", why="the truncation of the importance weight")
 
 
 @dataclass

@@ -97,6 +97,10 @@ def _check_cross_fields(conf: DictConfig) -> None:
         )
     if lrn.get("offload_optimizer") and int(lrn.zero_stage) < 1:
         raise UserError("learner.offload_optimizer=true needs learner.zero_stage >= 1 (ZeRO-Offload)")
+    t = conf.trainer
+    if t.get("mode") == "async" and r.get("old_logprob_source") == "rollout":
+        raise UserError("trainer.mode=async needs rollout.old_logprob_source=recompute (or auto): the decoupled "
+                        "objective's proximal policy is the learner's own, vLLM's log-probs are the stale one's")
     if str(r.weight_sync) in ("nccl", "ipc") and not _asks_gpus(conf):
         raise UserError(f"rollout.weight_sync={r.weight_sync} needs GPUs; on CPU use auto or object_store")
     if not conf.model.path:  # the embedded model: its context is in the config

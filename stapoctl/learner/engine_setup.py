@@ -118,6 +118,12 @@ class EngineSetup:
         out = self.reset(model_path, learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
                          dtype=dtype, seed=seed, max_response_length=max_response_length)
         out["setup_s"] = time.perf_counter() - t0
+        try:
+            import ray
+
+            out["node_id"] = ray.get_runtime_context().get_node_id()
+        except Exception:  # constructed outside Ray (tests)
+            out["node_id"] = ""
         return out
 
     def reset(
@@ -145,7 +151,8 @@ class EngineSetup:
 
         self._release_engine()
         if not self.use_cuda:
-            torch.set_num_threads(max(1, int(math.floor(float(learner.get("cpus") or 1)))))
+            threads = int(learner.get("num_threads") or 0) or max(1, int(math.floor(float(learner.get("cpus") or 1))))
+            torch.set_num_threads(threads)
         self.learner = dict(learner)
         self.loss_cfg = dict(loss)
         self.loss_name = self.loss_cfg["name"]

@@ -75,36 +75,45 @@ class PPOStep:
         return {"log_prob": lp, "entropy": ent, "sum_p2": p2}
 
     # -- the step -------------------------------------------------------------------------
-    def train_step(self, batch, global_step: int, old_logprob_source: str = "recompute") -> dict:
-        """Recompute old log-probs, then PPO updates over mini-batches. Returns metrics and,
-        for the driver, the recomputed log-probs (rank 0)."""
+    def train_step(self, batch, global_step: int, old_logprob_source: str = "recompute", *, measure: bool = True,
+                   behavior: bool = False, is_cap: float = 2.0) -> dict:
+        """Old log-probs, then PPO updates over mini-batches; returns metrics and, for the driver,
+        the measured log-probs and entropies (rank 0).
+
+        old_logprob_source: "recompute" (a no-grad pass of the learner, verl style) or "rollout"
+        (vLLM's own log-probs, equal to the learner's in fp32 at T=1: the pass is skipped).
+        measure: run the no-grad pass anyway, for the sync canary `rollout/logprob_diff_max` and
+        the token diagnostics (the driver asks for it on the first step and periodically).
+        behavior: the batch was sampled by older weights than the learner's (asynchronous
+        training): the loss gets the decoupled-PPO importance weight min(π_old/π_behav, is_cap).
+        """
         import torch
 
         t0 = time.perf_counter()
-        stats = self.compute_log_probs(batch)
+        stats = self.compute_log_probs(batch) if (old_logprob_source == "recompute" or measure) else None
         t_ref = time.perf_counter() - t0
-        rmask = batch.response_mask
-        diff = (stats["log_prob"] - batch.rollout_log_probs).abs()
-        diff = torch.where(rmask, diff, 0.0)
         old = stats["log_prob"] if old_logprob_source == "recompute" else batch.rollout_log_probs
-        batch = batch.with_(old_log_probs=old, entropy=stats["entropy"])
+        batch = batch.with_(old_log_probs=old, entropy=stats["entropy"] if stats else None)
         t1 = time.perf_counter()
-        metrics = self._update(batch, global_step, first_pass=stats)
+        metrics = self._update(batch, global_step, first_pass=stats, behavior=behavior, is_cap=is_cap)
         t_update = time.perf_counter() - t1
-        metrics.update(
-            {
-                "rollout/logprob_diff_max": float(diff.max()) if rmask.any() else 0.0,
-                "rollout/logprob_diff_mean": float(diff.sum() / rmask.sum().clamp(min=1)),
-                "timing_s/ref": t_ref,
-                "timing_s/update": t_update,
-                "perf/train_tokens_per_s": float(rmask.sum()) / max(t_ref + t_update, 1e-9),
-            }
-        )
-        metrics["_old_log_probs"] = old
-        metrics["_entropy"] = stats["entropy"]
+        rmask = batch.response_mask
+        metrics.update({
+            "timing_s/ref": t_ref,
+            "timing_s/update": t_update,
+            "perf/train_tokens_per_s": float(rmask.sum()) / max(t_ref + t_update, 1e-9),
+        })
+        if stats is not None:
+            diff = torch.where(rmask, (stats["log_prob"] - batch.rollout_log_probs).abs(), 0.0)
+            metrics["rollout/logprob_diff_max"] = float(diff.max()) if rmask.any() else 0.0
+            metrics["rollout/logprob_diff_mean"] = float(diff.sum() / rmask.sum().clamp(min=1))
+            metrics["_old_log_probs"] = stats["log_prob"]
+            metrics["_entropy"] = stats["entropy"]
+            metrics["_logprob_diff_rows"] = diff.max(dim=1).values  # per row: which worker drifted
         return metrics
 
-    def _update(self, batch, global_step: int, first_pass: dict) -> dict:
+    def _update(self, batch, global_step: int, first_pass: Optional[dict], *, behavior: bool = False,
+                is_cap: float = 2.0) -> dict:
         from stapoctl.losses import compute_policy_loss, prepare_minibatch, slice_context
 
         acc = MetricAccumulator(self._all_gather_objects)
@@ -123,7 +132,7 @@ class PPOStep:
                 extras = {"group_ids": mini.group_ids, "global_step": int(global_step)}
                 if self.max_response_length:
                     extras["max_response_length"] = int(self.max_response_length)
-                if not updated:
+                if not updated and first_pass is not None:  # the measuring pass ran at these weights
                     ent, lp, p2 = (first_pass[k][mini_sl] for k in ("entropy", "log_prob", "sum_p2"))
                     context = prepare_minibatch(self.loss_name, log_prob=lp, advantages=mini.advantages,
                                                 response_mask=mini.response_mask, entropy=ent,
@@ -150,6 +159,8 @@ class PPOStep:
                     else:
                         ent_mb = ent[rows].to(self.device)
                     mb_extras = dict(extras, group_ids=mb.group_ids.to(self.device))
+                    if behavior:
+                        mb_extras.update(behavior_log_prob=mb.rollout_log_probs.to(self.device), is_cap=float(is_cap))
                     loss, m = compute_policy_loss(
                         self.loss_name,
                         log_prob=lp_g,
@@ -233,9 +244,10 @@ def _dev(t, device):
 
 
 class MetricAccumulator:
-    """Micro-batch metrics → mini-batch (sum the loss, token-weight the ratios) → step mean.
+    """Micro-batch metrics → mini-batch (sum the loss, token-weight the ratios, take the max of
+    maxima) → step mean (max for maxima).
 
-    With several ranks, each mini-batch's sums and weights are combined over the ranks, so the
+    With several ranks, each mini-batch's partial results are combined over the ranks, so the
     metrics describe the whole mini-batch (as one rank holding it all would report them).
     """
 
@@ -244,37 +256,47 @@ class MetricAccumulator:
     def __init__(self, gather=None) -> None:
         self.gather = gather or (lambda obj: [obj])
         self.mini: list[dict[str, float]] = []
-        self.cur_sum: dict[str, float] = {}
-        self.cur_w: dict[str, float] = {}
+        self.cur: dict[str, list[float]] = {}  # key → [value, weight]
+
+    @classmethod
+    def kind(cls, key: str) -> str:
+        if key in cls.SUM_KEYS or key.endswith("_count"):
+            return "sum"
+        return "max" if key.endswith("_max") else "mean"
 
     def add(self, m: dict) -> None:
         w = float(m.get("loss/response_tokens", 1.0)) or 0.0
         for k, v in m.items():
-            v = float(v)
-            if k in self.SUM_KEYS or k.endswith("_count"):
-                self.cur_sum[k] = self.cur_sum.get(k, 0.0) + v
-                self.cur_w[k] = -1.0
+            v, kind = float(v), self.kind(k)
+            acc = self.cur.setdefault(k, [float("-inf") if kind == "max" else 0.0, 0.0])
+            if kind == "sum":
+                acc[0] += v
+            elif kind == "max":
+                acc[0] = max(acc[0], v)
             else:
-                self.cur_sum[k] = self.cur_sum.get(k, 0.0) + v * w
-                self.cur_w[k] = self.cur_w.get(k, 0.0) + w
+                acc[0] += v * w
+                acc[1] += w
 
     def end_minibatch(self) -> None:
-        sums: dict[str, float] = {}
-        weights: dict[str, float] = {}
-        for part_sum, part_w in self.gather((self.cur_sum, self.cur_w)):
-            for k, s in part_sum.items():
-                sums[k] = sums.get(k, 0.0) + s
-                w = part_w[k]
-                weights[k] = -1.0 if w < 0 else weights.get(k, 0.0) + w
+        merged: dict[str, list[float]] = {}
+        for part in self.gather(self.cur):
+            for k, (v, w) in part.items():
+                if k not in merged:
+                    merged[k] = [v, w]
+                elif self.kind(k) == "max":
+                    merged[k][0] = max(merged[k][0], v)
+                else:
+                    merged[k][0] += v
+                    merged[k][1] += w
         out = {}
-        for k, s in sums.items():
-            w = weights[k]
-            out[k] = s if w < 0 else (s / w if w > 0 else 0.0)
+        for k, (v, w) in merged.items():
+            out[k] = v if self.kind(k) != "mean" else (v / w if w > 0 else 0.0)
         self.mini.append(out)
-        self.cur_sum, self.cur_w = {}, {}
+        self.cur = {}
 
     def result(self) -> dict[str, float]:
         if not self.mini:
             return {}
         keys = set().union(*self.mini)
-        return {k: sum(m.get(k, 0.0) for m in self.mini) / len(self.mini) for k in keys}
+        return {k: (max(m.get(k, float("-inf")) for m in self.mini) if self.kind(k) == "max"
+                    else sum(m.get(k, 0.0) for m in self.mini) / len(self.mini)) for k in keys}

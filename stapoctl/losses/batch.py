@@ -78,6 +78,16 @@ class PolicyBatch:
             raise ValueError(f"{key} must have shape [B, T]=({self.B}, {self.T}), got {tuple(t.shape)}")
         return torch.where(self.mask, t.detach().float(), 0.0)
 
+    def behavior_weight(self) -> Optional[Tensor]:
+        """Truncated importance weight min(π_old/π_behav, is_cap) [B, T], or None when the tokens
+        were sampled by the proximal policy itself (synchronous training)."""
+        behav = self.token_tensor("behavior_log_prob")
+        if behav is None:
+            return None
+        cap = float(self.extras.get("is_cap") or 2.0)
+        w = torch.exp((self.old - behav).clamp(-20.0, 20.0)).clamp(max=cap)
+        return torch.where(self.mask, w, 0.0)
+
     # -- mini-batch context ---------------------------------------------------------------
     def ctx(self, key: str, compute: Callable[[], Tensor]) -> Tensor:
         """Mini-batch statistic ``key``: from the context if given, else computed and recorded."""

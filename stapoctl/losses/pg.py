@@ -49,6 +49,7 @@ def surrogate_of(batch: PolicyBatch, cfg: Any, *, advantages: Optional[Tensor] =
         clip_ratio_high=cfg.clip_ratio_high,
         clip_ratio_c=cfg.clip_ratio_c,
         weight=weight,
+        is_weight=batch.behavior_weight(),
     )
 
 

@@ -13,6 +13,13 @@ Extra per-call inputs (keyword arguments of ``compute_policy_loss`` / ``prepare_
 - ``hidden_norm``: [B, T] float, ||h_t||_2 of the final hidden state (default 1).
 - ``max_response_length``: int, WAPO's T_max (default: T of the tensors).
 - ``ref_log_prob``: [B, T] float, reference policy log-probs (tr_grpo with kl_coef > 0).
+- ``behavior_log_prob``: [B, T] float, log-probs of the policy that *sampled* the tokens, when it
+  is older than ``old_log_prob``'s (asynchronous training). Every method then optimises the
+  decoupled PPO objective (Hilton et al. 2022, "Batch size-invariance for policy optimization";
+  AReaL): w_t · min(ρ_t Â, clip(ρ_t) Â) with ρ = π_θ/π_old (π_old = the proximal policy, the
+  learner's recompute) and w_t = min(π_old/π_behav, ``is_cap``), a truncated importance weight
+  (TIS). Masks (STAPO's π < τ_p, H < h*) keep using the current policy's π and H.
+- ``is_cap``: float, the truncation C of w_t (default 2.0).
 - ``old_log_prob``: only for ``prepare_minibatch`` (ppl_shaping needs it there).
 
 Mini-batch context (returned by ``prepare_minibatch``, passed back into every micro-batch
@@ -29,7 +36,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
 
 EXTRA_KEYS = frozenset(
-    {"group_ids", "global_step", "sum_p2", "hidden_norm", "max_response_length", "ref_log_prob"}
+    {"group_ids", "global_step", "sum_p2", "hidden_norm", "max_response_length", "ref_log_prob",
+     "behavior_log_prob", "is_cap"}
 )
 CONTEXT_KEYS = frozenset(
     {"entropy_threshold", "select_entropy_threshold", "loss_denominator", "row_weight", "row_ppl_weight"}

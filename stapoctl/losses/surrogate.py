@@ -20,6 +20,7 @@ class Surrogate:
     clipped: Tensor  # bool: the clipped (zero-gradient) branch was taken
     coef: Tensor  # d s_t / d log pi_t (detached): the token's surrogate coefficient
     log_ratio: Tensor  # log pi - log pi_old (detached), for actor/ppo_kl
+    is_weight: Optional[Tensor] = None  # behaviour-policy importance weight applied (async), else None
 
 
 def clipped_surrogate(
@@ -32,8 +33,12 @@ def clipped_surrogate(
     clip_ratio_high: float,
     clip_ratio_c: Optional[float] = None,
     weight: Optional[Tensor] = None,
+    is_weight: Optional[Tensor] = None,
 ) -> Surrogate:
     """s_t = min(w*rho*A, clip(w*rho, 1-eps_low, 1+eps_high)*A), optional dual clip max(s_t, c*A) for A<0.
+
+    ``is_weight`` (detached, outside the clip): the decoupled-PPO behaviour correction
+    s_t ← is_weight_t · s_t of asynchronous training (see ``registry`` on ``behavior_log_prob``).
 
     The min is a ``where`` rather than ``torch.minimum`` so that ties (rho inside the clip range,
     where both branches are equal) give the full unclipped gradient rather than two halves.
@@ -53,9 +58,13 @@ def clipped_surrogate(
         s = torch.where(dual, floor, s)
         use_clipped = use_clipped | dual
     use_clipped = use_clipped & mask
-    s = torch.where(mask, s, 0.0)
     coef = torch.where(use_clipped | ~mask, 0.0, (r * adv).detach())
-    return Surrogate(objective=s, ratio=ratio.detach(), clipped=use_clipped, coef=coef, log_ratio=log_ratio.detach())
+    if is_weight is not None:
+        w = is_weight.detach().float()
+        s, coef = s * w, coef * w
+    s = torch.where(mask, s, 0.0)
+    return Surrogate(objective=s, ratio=ratio.detach(), clipped=use_clipped, coef=coef, log_ratio=log_ratio.detach(),
+                     is_weight=is_weight)
 
 
 def normaliser(norm_mask: Tensor, mode: str) -> Tensor:

@@ -56,6 +56,7 @@ class EngineSpec:
     kv_cache_gb: int = 1
     enforce_eager: bool = True
     worker_extension_cls: str | None = None
+    num_threads: int = 0  # CPU: intra-op threads of the in-process engine (0 = torch's default)
     # GPU only: vLLM's weight-transfer backend ("nccl" | "ipc"); None = no trainer link
     weight_transfer_backend: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -26,6 +26,12 @@ class RolloutWorker:
         t0 = time.perf_counter()
         if spec.worker_extension_cls is None:
             spec.worker_extension_cls = EXTENSION_CLS
+        if spec.num_threads > 0:
+            # the in-process CPU engine computes with this process's torch threads; vLLM disables
+            # torch.set_num_threads once it is up, so set them before
+            import torch
+
+            torch.set_num_threads(int(spec.num_threads))
         self.spec = spec
         self.llm = vllm_engine.make_llm(spec)
         self.tokenizer = self.llm.get_tokenizer()
@@ -38,6 +44,7 @@ class RolloutWorker:
             "model_path": self.spec.model_path,
             "init_s": self.init_seconds,
             "pid": os.getpid(),
+            "node_id": _node_id(),
             "weight_version": self.weight_version,
             "eos_token_id": self.tokenizer.eos_token_id,
             "pad_token_id": self.tokenizer.pad_token_id,
@@ -175,6 +182,15 @@ class RolloutWorker:
         gc.collect()
 
 
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # not inside Ray (a test constructing the worker directly)
+        return ""
+
+
 def rollout_env(spec: EngineSpec) -> dict[str, str]:
     """Per-actor environment: vLLM in-process on CPU (4 s start, tensors passed directly)."""
     from stapoctl.launch.ray_runtime import actor_env
@@ -183,6 +199,8 @@ def rollout_env(spec: EngineSpec) -> dict[str, str]:
     if not cuda_available():
         extra["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         extra["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gb)
+        if spec.num_threads > 0:
+            extra["OMP_NUM_THREADS"] = str(int(spec.num_threads))
     return actor_env(extra)
 
 

@@ -34,16 +34,36 @@ class WeightSync:
         import ray
 
         self.learners, self.workers, self.method = list(learners), list(workers), method
+        self._inflight: list = []
         if method in ("nccl", "ipc"):
             ray.get([
                 lrn.init_weight_transfer.remote(method, self.workers, vllm_world_size * len(self.workers))
                 for lrn in self.learners
             ])
 
+    def push_async(self) -> None:
+        """Start a push and return at once (asynchronous training): the load queues behind the
+        rollouts already sent to each actor, so they finish with the weights they started with.
+        `wait()` collects it (errors surface there); a new push waits for the previous one."""
+        self.wait()
+        if self.method == "object_store":
+            refs = [lrn.weights.remote() for lrn in self.learners]
+            self._inflight = [w.update_weights.remote(refs[0]) for w in self.workers] + refs[1:]
+        else:
+            self._inflight = [lrn.send_weights.remote() for lrn in self.learners]
+
+    def wait(self) -> None:
+        import ray
+
+        inflight, self._inflight = self._inflight, []
+        if inflight:
+            ray.get(inflight)
+
     def push(self) -> dict[str, float]:
         """Send the learner's current weights to every rollout actor; returns timings."""
         import ray
 
+        self.wait()
         t0 = time.perf_counter()
         if self.method == "object_store":
             # One object, read by every worker; rank > 0 returns nothing but joins ZeRO-3's gather.

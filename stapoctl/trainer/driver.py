@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,23 +93,44 @@ def fingerprint(*tensors) -> float:
 
 
 # -- one step --------------------------------------------------------------------------------
-class StepRunner:
-    """The per-step stages, separated so tests can run (or skip) each one."""
+@dataclass
+class PendingRollout:
+    """A step's rollout sent to the workers and not yet collected."""
 
-    def __init__(self, conf: DictConfig, engines, scorer, data: "TrainData"):
+    step: int
+    indices: list
+    refs: list
+    version: int  # weight syncs the workers had received when it was sent: the sampling weights
+    sampler_state: dict  # the prompt sampler right after this step's batch (what a checkpoint records)
+
+
+class StepRunner:
+    """The per-step stages, separated so tests and benchmarks can run (or skip) each one.
+
+    `weight_version` counts the syncs sent to the rollout workers and `learner_version` the
+    updates done, both since the engines were (re)loaded; a batch's staleness is how many
+    updates its sampling weights lag behind the learner that trains on it.
+    """
+
+    def __init__(self, conf: DictConfig, engines, scorer, data: "TrainData", start_step: int = 0):
+        from stapoctl.trainer.engines import old_logprob_source
+
         self.conf, self.engines, self.scorer, self.data = conf, engines, scorer, data
         self.prompt_ids, self.answers, self.questions = data.prompt_ids, data.answers, data.questions
         self.loss_cfg = OmegaConf.to_container(conf.loss, resolve=True)
         self.pad_id = int(engines.info.get("pad_token_id") or 0)
+        self.old_source = old_logprob_source(conf)
+        self.start_step = int(start_step)
+        self.weight_version = self.learner_version = 0
+        self._worker_rows: list[int] = []
 
-    def rollout(self, indices: list[int], step: int):
-        import ray
-
+    # -- rollout ---------------------------------------------------------------------------
+    def launch_rollout(self, indices: list[int], step: int, sampler_state: Optional[dict] = None) -> PendingRollout:
+        """Send the prompts to the workers (contiguous blocks; seeds per prompt, so the split
+        does not change what is sampled) and return at once."""
         from stapoctl.rollout.vllm_engine import prompt_seed
-        from stapoctl.trainer.batch import RolloutBatch
 
         r = self.conf.rollout
-        t0 = time.perf_counter()
         workers = self.engines.workers
         per = -(-len(indices) // len(workers))
         refs = []
@@ -123,12 +145,30 @@ class StepRunner:
                 seed=[prompt_seed(run_seed, step, i) for i in block],
                 pad_id=self.pad_id, group_offset=j * per, prompt_index=block,
             ))
-        parts = ray.get(refs)
-        batch = RolloutBatch.concat([p[0] for p in parts], pad_id=self.pad_id)
-        gen_s = time.perf_counter() - t0
-        tokens = sum(p[1]["tokens"] for p in parts)
-        return batch, {"timing_s/gen": gen_s, "perf/gen_tokens_per_s": tokens / max(gen_s, 1e-9)}
+        return PendingRollout(step, list(indices), refs, self.weight_version, dict(sampler_state or {}))
 
+    def collect(self, pending: PendingRollout):
+        """The batch of a launched rollout; `timing_s/gen` is the workers' own generation time,
+        `timing_s/gen_wait` how long the driver waited for it (≈ 0 when it overlapped an update)."""
+        import ray
+
+        from stapoctl.trainer.batch import RolloutBatch
+
+        t0 = time.perf_counter()
+        parts = ray.get(pending.refs)
+        wait = time.perf_counter() - t0
+        batch = RolloutBatch.concat([p[0] for p in parts], pad_id=self.pad_id)
+        self._worker_rows = [len(p[0]) for p in parts]
+        gen_s = max(p[1]["gen_s"] for p in parts)
+        tokens = sum(p[1]["tokens"] for p in parts)
+        return batch, {"timing_s/gen": gen_s, "timing_s/gen_wait": wait,
+                       "perf/gen_tokens_per_s": tokens / max(gen_s, 1e-9),
+                       "async/staleness": float(self.learner_version - pending.version)}
+
+    def rollout(self, indices: list[int], step: int):
+        return self.collect(self.launch_rollout(indices, step))
+
+    # -- reward, update, sync ------------------------------------------------------------------
     def score(self, batch):
         import torch
 
@@ -145,23 +185,58 @@ class StepRunner:
         metrics["timing_s/reward"] = time.perf_counter() - t0
         return batch, metrics
 
-    def update(self, batch, step: int) -> dict:
-        m = self.engines.call_learners("train_step", batch, step, str(self.conf.rollout.old_logprob_source))
+    def measure_due(self, step: int) -> bool:
+        """Whether the learner runs its no-grad pass over the whole batch this step (always when it
+        recomputes old log-probs; else at the first step, every `rollout.logprob_check_every`
+        steps and when token diagnostics are due)."""
+        if self.old_source == "recompute" or step == self.start_step + 1:
+            return True
+        every = int(self.conf.rollout.logprob_check_every or 0)
+        diag = int(self.conf.trainer.get("diagnostics_every") or 0)
+        return bool((every and step % every == 0) or (diag and step % diag == 0))
+
+    def update(self, batch, step: int, *, staleness: int = 0) -> dict:
+        m = self.engines.call_learners("train_step", batch, step, self.old_source, measure=self.measure_due(step),
+                                       behavior=staleness > 0, is_cap=float(self.conf.trainer.is_cap))
+        self.learner_version += 1
         self._last_old = m.pop("_old_log_probs", None)
         self._last_entropy = m.pop("_entropy", None)
+        diff_rows = m.pop("_logprob_diff_rows", None)
+        rows = self._worker_rows
+        if diff_rows is not None and len(rows) > 1:  # the sync canary, per rollout worker
+            start = 0
+            for j, count in enumerate(rows):
+                m[f"rollout/logprob_diff_max/worker_{j}"] = float(diff_rows[start:start + count].max())
+                start += count
         return m
 
-    def sync(self) -> dict:
-        return self.engines.sync.push()
-
-    def run(self, indices: list[int], step: int, *, do_sync: bool = True) -> tuple[Any, dict]:
+    def sync(self, wait: bool = True) -> dict:
+        """Learner → every rollout worker. wait=False (async) only sends it: each worker loads it
+        after the rollouts already queued on it."""
+        self.weight_version += 1
+        if wait:
+            return self.engines.sync.push()
         t0 = time.perf_counter()
-        batch, m_gen = self.rollout(indices, step)
+        self.engines.sync.push_async()
+        return {"timing_s/sync": time.perf_counter() - t0}
+
+    def finish(self, pending: PendingRollout, *, wait_sync: bool = True) -> tuple[Any, dict]:
+        """Collect a launched rollout, score it, update on it, sync: one training step."""
+        t0 = time.perf_counter()
+        batch, m_gen = self.collect(pending)
+        staleness = int(m_gen["async/staleness"])
         batch, m_rew = self.score(batch)
-        m_upd = self.update(batch, step)
-        m_sync = self.sync() if do_sync else {}
+        m_upd = self.update(batch, pending.step, staleness=staleness)
+        m_sync = self.sync(wait=wait_sync)
         metrics = {**m_gen, **m_rew, **m_upd, **m_sync}
         metrics.update(batch_metrics(batch, self.conf))
+        metrics["timing_s/step"] = time.perf_counter() - t0
+        return batch, metrics
+
+    def run(self, indices: list[int], step: int) -> tuple[Any, dict]:
+        """One synchronous step: rollout → reward → update → sync."""
+        t0 = time.perf_counter()
+        batch, metrics = self.finish(self.launch_rollout(indices, step))
         metrics["timing_s/step"] = time.perf_counter() - t0
         return batch, metrics
 
@@ -266,6 +341,7 @@ def train(conf: DictConfig, console: Optional[Console] = None, session: Any = No
     from stapoctl.models.tiny import base_eval
     from stapoctl.tracking import mlflow_run
     from stapoctl.trainer import checkpoint
+    from stapoctl.trainer.engines import old_logprob_source
     from stapoctl.trainer.sampler import PromptSampler
 
     console = console or Console()
@@ -310,9 +386,12 @@ def train(conf: DictConfig, console: Optional[Console] = None, session: Any = No
                                         "base/toy/accuracy_greedy": base.get("accuracy_greedy")}, step=0)
         console.print(f"MLflow run {run_id} · run dir {run_dir}")
         with running_engines(conf, policy_path, resume_dir, console, session) as (engines, scorer):
-            mlflow.set_tag("stapoctl.weight_sync", engines.info["sync_method"])
-            loop = Loop(conf, StepRunner(conf, engines, scorer, data), sampler, run_id, run_dir, base_model,
-                        policy_path)
+            mlflow.set_tags({"stapoctl.weight_sync": engines.info["sync_method"],
+                             "stapoctl.old_logprob_source": old_logprob_source(conf),
+                             "stapoctl.threads": json.dumps(engines.info.get("threads", {})),
+                             "stapoctl.nodes": json.dumps(engines.info.get("nodes", {}))})
+            loop = Loop(conf, StepRunner(conf, engines, scorer, data, start_step=int(state.get("step", 0))), sampler,
+                        run_id, run_dir, base_model, policy_path)
             summary = loop.run(int(state.get("step", 0)), console)
     summary.update(run_id=run_id, run_dir=str(run_dir), tracking_uri=uri)
     if base:
@@ -360,9 +439,23 @@ class Loop:
                 first_val = _validate(conf, runner.engines, runner.scorer, val_sets, 0)
                 mlflow_run.log_metrics(first_val, step=0)
                 view.step(0, first_val)
+            ahead = int(conf.trainer.max_staleness) if conf.trainer.mode == "async" else 0
+            launched: dict[int, PendingRollout] = {}
+            next_launch = start_step + 1
+            t_prev = time.perf_counter()
             for step in range(start_step + 1, total + 1):
-                view.status("rollout → reward → update → sync")
-                batch, metrics = runner.run(self.sampler.next_batch(), step)
+                # async: the rollouts of the next `ahead` steps generate while this step updates
+                while next_launch <= min(step + ahead, total):
+                    indices = self.sampler.next_batch()
+                    launched[next_launch] = runner.launch_rollout(indices, next_launch, self.sampler.state_dict())
+                    next_launch += 1
+                view.status("rollout → reward → update → sync" if not ahead else
+                            f"update ‖ rollouts of the next {ahead} step(s) → sync")
+                pending = launched.pop(step)
+                batch, metrics = runner.finish(pending, wait_sync=not ahead)
+                if ahead:  # a step's wall time includes the overlapped generation
+                    metrics["timing_s/step"] = time.perf_counter() - t_prev
+                t_prev = time.perf_counter()
                 if val_sets and (step % val_every == 0 or step == total):
                     view.status("validating")
                     metrics.update(_validate(conf, runner.engines, runner.scorer, val_sets, step))
@@ -373,8 +466,10 @@ class Loop:
                 last = metrics
                 if save_freq > 0 and (step % save_freq == 0 or step == total):
                     view.status("checkpoint")
-                    _save(runner.engines, self.run_dir, step, self.sampler, self.run_id, self.base_model,
+                    runner.engines.sync.wait()
+                    _save(runner.engines, self.run_dir, step, pending.sampler_state, self.run_id, self.base_model,
                           self.tokenizer_dir, conf)
+            runner.engines.sync.wait()
         out: dict[str, Any] = {"steps": total, "final": dict(last)}
         if first_val:
             out["first_val"] = first_val
@@ -424,7 +519,7 @@ def _log_samples(conf, batch, step: int) -> None:
     mlflow.log_text("\n".join(lines), f"samples/step_{step:06d}.md")
 
 
-def _save(engines, run_dir: Path, step: int, sampler, run_id: str, base_model: str, tokenizer_dir: str,
+def _save(engines, run_dir: Path, step: int, sampler_state: dict, run_id: str, base_model: str, tokenizer_dir: str,
           conf: DictConfig) -> Path:
     import ray
 
@@ -435,7 +530,7 @@ def _save(engines, run_dir: Path, step: int, sampler, run_id: str, base_model: s
 
     state = {
         "step": step,
-        "sampler": sampler.state_dict(),
+        "sampler": sampler_state,  # as of this step's batch (async runs have sampled further ahead)
         "rng": checkpoint.rng_state(),
         "mlflow_run_id": run_id,
         "run_dir": str(run_dir),

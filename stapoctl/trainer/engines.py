@@ -28,11 +28,44 @@ def max_model_len(conf: DictConfig, model_path: str) -> int:
     return min(want, limit)
 
 
+def thread_counts(conf: DictConfig) -> tuple[int, int]:
+    """Intra-op threads of (each rollout actor, each learner rank).
+
+    0 = auto. In the synchronous loop one phase runs at a time, so the active role may use the
+    whole node (its cores shared among the role's actors); in async mode both roles run at once
+    and each actor keeps to its CPU share. On a remote cluster the driver does not know the
+    nodes' cores, so auto keeps to the share there too.
+    """
+    import math
+    import os
+
+    r, lrn = conf.rollout, conf.learner
+    shares = (max(1, math.floor(float(r.cpus_per_worker))), max(1, math.floor(float(lrn.cpus))))
+    if conf.trainer.mode == "sync" and not conf.cluster.address:
+        cores = int(conf.cluster.num_cpus or len(os.sched_getaffinity(0)) or 1)
+        shares = (max(1, cores // max(1, int(r.num_workers))), max(1, cores // max(1, int(lrn.num_ranks or 1))))
+    return (int(r.num_threads) or shares[0], int(lrn.num_threads) or shares[1])
+
+
+def old_logprob_source(conf: DictConfig) -> str:
+    """`auto`: vLLM's log-probs where they equal the learner's (synchronous, fp32, T=1: measured to
+    ~1e-6 here and watched by the canary), the learner's recompute elsewhere (bf16 kernels differ,
+    vLLM's log-probs are untempered, async training needs the proximal policy's)."""
+    source = str(conf.rollout.old_logprob_source)
+    if source != "auto":
+        return source
+    exact = (conf.trainer.mode == "sync" and conf.model.dtype in ("float32", "fp32")
+             and float(conf.rollout.temperature) == 1.0)
+    return "rollout" if exact else "recompute"
+
+
 def learner_args(conf: DictConfig) -> dict[str, Any]:
     """Everything a learner rank's `setup` / `reset` takes from a run's config."""
     r = conf.rollout
+    learner = OmegaConf.to_container(conf.learner, resolve=True)
+    learner["num_threads"] = thread_counts(conf)[1]
     return dict(
-        learner=OmegaConf.to_container(conf.learner, resolve=True),
+        learner=learner,
         loss=OmegaConf.to_container(conf.loss, resolve=True),
         n_per_prompt=int(r.n), temperature=float(r.temperature), dtype=conf.model.dtype,
         seed=int(conf.trainer.seed), max_response_length=int(r.max_response_length),
@@ -85,7 +118,6 @@ def start_engines(conf: DictConfig, policy_path: str, console=None) -> Engines:
     """Ray, then the run's placement, then the vLLM actors and the learner ranks in parallel,
     then the weight-sync link."""
     import ray
-    import torch
 
     from stapoctl.launch.placement import make_placement, rollout_gpus
     from stapoctl.launch.ray_runtime import ensure_ray
@@ -117,6 +149,7 @@ def start_engines(conf: DictConfig, policy_path: str, console=None) -> Engines:
         kv_cache_gb=int(r.kv_cache_gb),
         enforce_eager=bool(r.enforce_eager),
         weight_transfer_backend=method if method in ("nccl", "ipc") else None,
+        num_threads=thread_counts(conf)[0] if not on_gpu else 0,
     )
     workers = [make_rollout_worker(spec, num_cpus=float(r.cpus_per_worker), num_gpus=rollout_gpus(r),
                                    options=placement.rollout_options(i))
@@ -142,7 +175,9 @@ def start_engines(conf: DictConfig, policy_path: str, console=None) -> Engines:
         "pad_token_id": worker_info[0]["pad_token_id"],
         "eos_token_id": worker_info[0]["eos_token_id"],
         "params": learner_info[0].get("params", -1),
-        "torch_threads": torch.get_num_threads(),
+        "threads": dict(zip(("rollout", "learner"), thread_counts(conf))),
         "started_ray": started_ray,
+        "nodes": {"rollout": [w.get("node_id", "") for w in worker_info],
+                  "learner": [x.get("node_id", "") for x in learner_info]},
     }
     return Engines(workers=workers, learners=learners, sync=sync, placement=placement, info=info)

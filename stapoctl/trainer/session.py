@@ -30,9 +30,10 @@ RESTART_KEYS = (
 
 def engine_key(conf: DictConfig, policy_path: str) -> str:
     """What the running engines were built for; equal keys ⇒ a reset is enough."""
-    from stapoctl.trainer.engines import max_model_len
+    from stapoctl.trainer.engines import max_model_len, thread_counts
 
-    parts: dict[str, Any] = {"policy": policy_path, "max_model_len": max_model_len(conf, policy_path)}
+    parts: dict[str, Any] = {"policy": policy_path, "max_model_len": max_model_len(conf, policy_path),
+                             "rollout_threads": thread_counts(conf)[0]}  # fixed when vLLM starts
     for key in RESTART_KEYS:
         node = OmegaConf.select(conf, key)
         parts[key] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
