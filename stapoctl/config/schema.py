@@ -34,8 +34,8 @@ class TinyModelConfig:
     warm_start_lr: float = 3e-3
     # The demos' phrasing mix = the base model's forks (stapoctl/data/toy.py has the table).
     # Share of demos ending "answer S" instead of \boxed{S}: the rewarded fork, RL's headroom
-    # (0.6: the base boxes ~40% of its answers, so T=1.0 accuracy ~30% under a ~80% ceiling)
-    unboxed_fraction: float = 0.6
+    # (0.7: the base boxes ~30% of its answers, so T=1.0 accuracy ~20% under a ~65% ceiling)
+    unboxed_fraction: float = 0.7
     # reward-neutral high-entropy forks (h* lands among them): c*b, P+a, ";" ending a step
     swapped_product_fraction: float = 0.4
     swapped_sum_fraction: float = 0.35

@@ -10,7 +10,7 @@
 | product order | `8*7=56` | `7*8=56` | swapped_product_fraction 0.4 | high entropy |
 | step separator (x2) | `.` | `;` | semicolon_fraction 0.3 each | high entropy |
 | sum order | `27+56=83` | `56+27=83` | swapped_sum_fraction 0.35 | high entropy |
-| ending | `\\boxed{83}` | `answer 83` | unboxed_fraction 0.6 | high entropy, rewarded |
+| ending | `\\boxed{83}` | `answer 83` | unboxed_fraction 0.7 | high entropy, rewarded |
 | times sign | `*` | `x` | cross_fraction 0.05 | low entropy, pi ~ 5e-2 |
 | equals sign (x2) | `=` | ` = ` | spaced_eq_fraction 0.015 each | low entropy, pi ~ 1e-2 |
 
