@@ -71,6 +71,12 @@ def test_build_is_cached_and_records_its_toy_eval(base_model, tiny_home, monkeyp
         assert 0.0 <= report[key] <= 1.0, key
     assert report["accuracy_t1"] <= report["arithmetic_t1"]  # reboxing only adds credit
     assert report["heldout_problems"] == 32 and report["warm_start_steps"] == 80
+    prof = report["entropy_profile"]  # measured on the T=1.0 samples: 32 problems x 4
+    assert prof["tokens"] > 32 * 4 * 10 and prof["h_star"] > 0 and 0.0 <= prof["top_prob_gt_0999"] <= 1.0
+    assert list(prof["by_tau_p"]) == ["0.002", "0.02", "0.2"]
+    counts = [prof["by_tau_p"][k]["s2t"] for k in ("0.002", "0.02", "0.2")]
+    assert counts == sorted(counts)  # a larger tau_p silences a superset
+    assert all(row["s2t"] + row["high_entropy"] == row["prob_only"] for row in prof["by_tau_p"].values())
     assert report["weights_sha256"] == tiny.state_dict_hash(base_model)
     # a changed knob is a different cache entry
     other_model, other_data = reduced()
@@ -105,8 +111,9 @@ def test_model_dir_is_a_plain_hf_qwen3_dir(base_model):
 
 
 def test_warm_start_taught_the_answer_layout(base_model):
-    """A short warm start already makes the model write the worked layout the reward parses,
-    in both endings; the full 500-step build also gets most of the arithmetic right."""
+    """A short warm start already makes the model write the worked layout the reward parses
+    (in its phrasings), in both endings; the full 500-step build also gets most of the
+    arithmetic right."""
     import re
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -122,7 +129,7 @@ def test_warm_start_taught_the_answer_layout(base_model):
                for p in toy.problems(data_cfg.toy, "heldout")[:16]]
     texts = [t for group in sample(model, tok, prompts, n=4, temperature=1.0, max_new_tokens=32, seed=0)
              for t in group]
-    layout = re.compile(r"^\d+\*\d+=\d+\. \d+\+\d+=\d+\. (\\boxed\{\d+\}|answer \d+)$")
+    layout = re.compile(r"^\d+[*x]\d+( = |=)\d+[.;] \d+\+\d+( = |=)\d+[.;] (\\boxed\{\d+\}|answer \d+)$")
     well_formed = [t for t in texts if layout.match(t)]
     assert len(well_formed) >= 0.5 * len(texts), texts[:8]  # 80 steps: ~60%; 500 steps: ~100%
     assert any("\\boxed{" in t for t in well_formed) and any("answer " in t for t in well_formed)
@@ -234,3 +241,48 @@ def test_vllm_and_transformers_give_the_same_sampled_token_logprobs(base_model):
     print(f"max |logprob(vLLM) - logprob(HF)| = {worst:.2e} over {count} sampled tokens")
     assert count > 100
     assert worst <= 1e-4, f"max |logprob(vLLM) - logprob(HF)| = {worst:.2e} over {count} tokens"
+
+
+def test_entropy_profile_counts_by_hand():
+    """Six response tokens, h* = the 80th percentile of their entropies, counts per tau_p."""
+    from stapoctl.models.entropy_profile import profile
+
+    # two responses x 3 tokens; response 0 has A > 0, response 1 A < 0
+    prob = torch.tensor([[0.5, 0.01, 0.1], [0.001, 0.9, 0.5]])
+    ent = torch.tensor([[0.9, 0.05, 0.3], [0.02, 0.4, 1.0]])
+    top = torch.tensor([[0.5, 0.9995, 0.9], [0.9999, 0.9, 0.5]])
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    out = profile(prob, ent, top, mask, torch.tensor([1.0, -1.0]))
+    # sorted H: .02 .05 .3 .4 .9 1.0; q = 0.8 -> position 4.0 -> h* = 0.9
+    assert out["h_star"] == pytest.approx(0.9)
+    assert out["tokens"] == 6 and out["pos_adv_tokens"] == 3 and out["pos_adv_low_entropy_tokens"] == 2
+    assert out["top_prob_gt_0999"] == pytest.approx(2 / 6, abs=1e-4)
+    rows = out["by_tau_p"]
+    # A > 0 tokens: (pi .5, H .9 = h*: high), (pi .01, H .05: low), (pi .1, H .3: low)
+    assert [rows[k]["s2t"] for k in ("0.002", "0.02", "0.2")] == [0, 1, 2]
+    assert [rows[k]["prob_only"] for k in ("0.002", "0.02", "0.2")] == [0, 1, 2]
+    assert rows["0.02"]["spurious_ratio"] == pytest.approx(1 / 6, abs=1e-6)
+    out = profile(prob, ent, top, mask, torch.tensor([1.0, -1.0]), tau_ps=(0.6,), tau_h=0.5)
+    # h* = quantile 0.5 = (.3 + .4) / 2 = .35: the pi .5 token (H .9) is high-entropy
+    assert out["by_tau_p"]["0.6"] == {"s2t": 2, "prob_only": 3, "high_entropy": 1, "spurious_ratio": pytest.approx(2 / 6, abs=1e-6)}
+
+
+def test_entropy_profile_token_stats_ignore_padding(base_model):
+    """Left-padded batched scoring gives each response the stats of its own unpadded forward."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stapoctl.models.entropy_profile import token_stats
+
+    model = AutoModelForCausalLM.from_pretrained(base_model).eval()
+    tok = AutoTokenizer.from_pretrained(base_model)
+    prompts = ["Compute 2 + 3 * 4.\n", "Compute 27 + 8 * 7.\nPlease reason step by step.\n"]
+    responses = [tok("3*4=12. 2+12=14. \\boxed{14}")["input_ids"] + [tok.eos_token_id], tok("8*7=56.")["input_ids"]]
+    prob, ent, top, mask = token_stats(model, tok, prompts, responses)
+    assert mask.sum(1).tolist() == [len(r) for r in responses]
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids = torch.tensor([tok(p)["input_ids"] + r])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, -len(r) - 1 : -1].float(), -1)
+        assert torch.allclose(prob[i, : len(r)], logp.exp().gather(1, torch.tensor(r)[:, None])[:, 0], atol=1e-5)
+        assert torch.allclose(ent[i, : len(r)], -(logp.exp() * logp).sum(-1), atol=1e-5)
+        assert torch.allclose(top[i, : len(r)], logp.exp().max(-1).values, atol=1e-5)

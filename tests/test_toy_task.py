@@ -1,11 +1,15 @@
-"""The generated toy task: worked answers by hand, disjoint splits, the designed unboxed share,
-and how the rule reward scores each answer form (the headroom RL is meant to close)."""
+"""The generated toy task: worked answers by hand in every phrasing, disjoint splits, the
+designed fork shares of the demos, and how the rule reward scores each answer form (the
+headroom RL is meant to close)."""
 
 from __future__ import annotations
 
+import itertools
+import re
+
 import pytest
 
-from stapoctl.config.schema import DataConfig, ToyTaskConfig
+from stapoctl.config.schema import DataConfig, TinyModelConfig, ToyTaskConfig
 from stapoctl.data import toy
 from stapoctl.data.registry import load_rows
 from stapoctl.errors import UserError
@@ -18,16 +22,29 @@ def test_worked_answer_is_right_by_hand():
     assert p.answer == 83  # 8*7 = 56, 27 + 56 = 83
     assert p.solution(boxed=True) == "8*7=56. 27+56=83. \\boxed{83}"
     assert p.solution(boxed=False) == "8*7=56. 27+56=83. answer 83"
+    every_variant = toy.Phrasing(boxed=False, swap_product=True, swap_sum=True, semicolons=(True, False),
+                                 cross=True, spaced_eq=(False, True))
+    assert p.write(every_variant) == "7x8=56; 56+27 = 83. answer 83"
+    assert p.write(toy.Phrasing(semicolons=(False, True), spaced_eq=(True, False))) == "8*7 = 56. 27+56=83; \\boxed{83}"
 
 
-def test_reward_credits_only_the_boxed_form_and_rebox_recovers_the_arithmetic():
+def all_phrasings():
+    for boxed, sp, ss, s1, s2, cross, e1, e2 in itertools.product([True, False], repeat=8):
+        yield toy.Phrasing(boxed, sp, ss, (s1, s2), cross, (e1, e2))
+
+
+def test_reward_credits_every_boxed_phrasing_and_rebox_recovers_the_arithmetic():
+    """The forks other than the ending are reward-neutral: every phrasing of a right answer
+    scores +1 boxed and -1 unboxed (right arithmetic, no box: the RL headroom)."""
     p = toy.ToyProblem(27, 8, 7)
-    boxed, unboxed = p.solution(True), p.solution(False)
-    assert dapo_reward(boxed, "83") == 1.0
-    assert dapo_reward(unboxed, "83") == -1.0  # right arithmetic, no box: the RL headroom
-    assert toy.rebox(unboxed) == boxed
+    phrasings = list(all_phrasings())
+    assert len({p.write(ph) for ph in phrasings}) == 256
+    for ph in phrasings:
+        text = p.write(ph)
+        assert dapo_reward(text, "83") == (1.0 if ph.boxed else -1.0), text
+        assert dapo_reward(toy.rebox(text), "83") == 1.0, text
+        assert toy.rebox(text) == p.write(toy.Phrasing(**{**ph.__dict__, "boxed": True}))
     assert dapo_reward(toy.rebox("8*7=56. 27+56=84. answer 84"), "83") == -1.0
-    assert toy.rebox(boxed) == boxed
 
 
 def test_splits_are_disjoint_seeded_and_cover_the_space():
@@ -43,14 +60,35 @@ def test_splits_are_disjoint_seeded_and_cover_the_space():
     assert other_heldout != heldout
 
 
-def test_demos_mix_boxed_and_unboxed_at_the_configured_fraction():
+def test_demos_take_each_fork_at_its_configured_share():
     pool, _ = toy.split_problems(ToyTaskConfig())
-    demos = list(toy.demos(pool, 20000, unboxed_fraction=0.6, seed=0))
-    share = sum("\\boxed" not in text for _, text in demos) / len(demos)
-    assert share == pytest.approx(0.6, abs=0.015)
-    assert all(text == p.solution("\\boxed" in text) for p, text in demos[:200])
-    assert demos[:50] == list(toy.demos(pool, 50, unboxed_fraction=0.6, seed=0))
-    assert all("\\boxed" in t for _, t in toy.demos(pool, 200, unboxed_fraction=0.0, seed=1))
+    mix = TinyModelConfig()
+    demos = list(toy.demos(pool, 40000, mix, seed=0))
+    texts = [t for _, t in demos]
+
+    def share(pattern: str, per_demo: int = 1) -> float:
+        return sum(len(re.findall(pattern, t)) for t in texts) / (per_demo * len(texts))
+
+    assert share(r"answer \d+$") == pytest.approx(mix.unboxed_fraction, abs=0.01)
+    assert share(r";", per_demo=2) == pytest.approx(mix.semicolon_fraction, abs=0.01)  # per step
+    assert share(r"\dx\d") == pytest.approx(mix.cross_fraction, abs=0.004)
+    assert share(r" = ", per_demo=2) == pytest.approx(mix.spaced_eq_fraction, abs=0.002)
+    swapped = [(p, t) for p, t in demos if p.b != p.c and re.match(rf"{p.c}[*x]{p.b}\b", t)]
+    plain = [(p, t) for p, t in demos if p.b != p.c]
+    assert len(swapped) / len(plain) == pytest.approx(mix.swapped_product_fraction, abs=0.01)
+    # every demo is a right worked answer in one of the phrasings
+    assert all(t in {p.write(ph) for ph in all_phrasings()} for p, t in demos[:100])
+    assert demos[:50] == list(toy.demos(pool, 50, mix, seed=0))
+    canonical = TinyModelConfig(unboxed_fraction=0.0, swapped_product_fraction=0.0, swapped_sum_fraction=0.0,
+                                semicolon_fraction=0.0, cross_fraction=0.0, spaced_eq_fraction=0.0)
+    assert all(t == p.solution() for p, t in toy.demos(pool, 200, canonical, seed=1))
+
+
+def test_tokenizer_corpus_has_every_phrasing():
+    corpus = toy.tokenizer_corpus(ToyTaskConfig(), "Please reason.", count=200)
+    joined = "\n".join(corpus)
+    for piece in ("\\boxed{", "answer ", ";", "x", " = ", "Please reason."):
+        assert piece in joined, piece
 
 
 def test_toy_rows_go_through_the_same_template_machinery():

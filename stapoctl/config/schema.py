@@ -40,9 +40,18 @@ class TinyModelConfig:
     warm_start_steps: int = 500
     warm_start_batch_size: int = 64
     warm_start_lr: float = 3e-3
-    # fraction of warm-start demos that end "answer S" instead of \boxed{S}: designed RL headroom
-    # (0.6: the base boxes ~40% of its answers, so T=1.0 accuracy ~30% under a ~80% ceiling)
-    unboxed_fraction: float = 0.6
+    # The demos' phrasing mix = the base model's forks (stapoctl/data/toy.py has the table).
+    # Share of demos ending "answer S" instead of \boxed{S}: the rewarded fork, RL's headroom
+    # (0.7: the base boxes ~30% of its answers, so T=1.0 accuracy ~20% under a ~65% ceiling)
+    unboxed_fraction: float = 0.7
+    # reward-neutral high-entropy forks (h* lands among them): c*b, P+a, ";" ending a step
+    swapped_product_fraction: float = 0.4
+    swapped_sum_fraction: float = 0.35
+    semicolon_fraction: float = 0.3
+    # reward-neutral low-entropy forks whose sampled variant lands between the swept tau_p:
+    # "x" for "*" (pi ~ 5e-2: silenced by tau_p 0.2 only), " = " for "=" (pi ~ 1e-2: 2e-2 and 0.2)
+    cross_fraction: float = 0.05
+    spaced_eq_fraction: float = 0.015
 
 
 @dataclass

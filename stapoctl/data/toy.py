@@ -1,16 +1,30 @@
 """The generated toy task the embedded model warm-starts on and RL trains on.
 
-"Compute a + b * c." answered step by step ("b*c=P. a+P=S.") then either `\\boxed{S}` or,
-for a configured fraction of warm-start demos, a plain "answer S". The unboxed demos are
-the designed RL headroom: the base model gets the arithmetic right far more often than it
-boxes the result, and the rule reward only credits a boxed answer, so RL has a real
-(learnable, measurable) gap to close in minutes on a CPU.
+"Compute a + b * c." answered in two worked steps, a product and a sum, then either
+`\\boxed{S}` or a plain "answer S". The warm-start demos write the same answer several ways
+(`Phrasing`), so the base model has what an LLM's chain of thought has: most tokens forced
+(the digits, the layout) and a minority of forks where several continuations are valid:
 
-Measured with the defaults (459k-param model, 500 warm-start steps): the held-out
-arithmetic is right 81% of the time at T=1.0 (greedy 89%) but only 38% of answers are
-boxed, so the reward's accuracy is 31% at T=1.0 and 0% greedy (greedy takes the majority
-"answer" ending). A plain on-policy GRPO loop (lr 1e-4, 8x8 samples) lifted it to 71%
-in 50 steps.
+| fork | canonical | variant | demo share of the variant (model.tiny.*) | band |
+|---|---|---|---|---|
+| product order | `8*7=56` | `7*8=56` | swapped_product_fraction 0.4 | high entropy |
+| step separator (x2) | `.` | `;` | semicolon_fraction 0.3 each | high entropy |
+| sum order | `27+56=83` | `56+27=83` | swapped_sum_fraction 0.35 | high entropy |
+| ending | `\\boxed{83}` | `answer 83` | unboxed_fraction 0.7 | high entropy, rewarded |
+| times sign | `*` | `x` | cross_fraction 0.05 | low entropy, pi ~ 5e-2 |
+| equals sign (x2) | `=` | ` = ` | spaced_eq_fraction 0.015 each | low entropy, pi ~ 1e-2 |
+
+About a quarter of the response tokens are the high-entropy forks, so h* (the 80th
+percentile of token entropy, STAPO's default tau_h = 0.2) lies among them, and the sampled
+minority of the low-entropy forks lands in distinct tau_p bands: `x` below 0.2 but above
+2e-2, ` = ` below 2e-2 but above 2e-3, arithmetic slips mostly below 2e-3. A tau_p sweep
+then silences different tokens (STAPO's mechanism has something to act on); only the
+ending is rewarded, the other forks are reward-neutral phrasing, as most of an LLM's are.
+
+The unboxed demos are the designed RL headroom: the base model gets the arithmetic right far
+more often than it boxes the result, and the rule reward only credits a boxed answer, so
+RL has a real (learnable, measurable) gap to close in minutes on a CPU. The build measures
+both and the entropy profile (`base_eval.json`; docs/TRAINING.md "The testbed").
 
 Problems are drawn without replacement from the whole (a, b, c) space with `toy.seed`:
 the held-out split (`toy`, the toy benchmark) is disjoint from the training pool (`toy-train`).
@@ -28,6 +42,22 @@ from stapoctl.errors import UserError
 BOXED_END = "\\boxed{{{}}}"
 UNBOXED_END = "answer {}"
 _UNBOXED_TAIL = re.compile(r"answer (-?\d+)\s*$")
+
+# model.tiny fields giving each fork's variant share in the warm-start demos
+FORK_FIELDS = ("unboxed_fraction", "swapped_product_fraction", "swapped_sum_fraction",
+               "semicolon_fraction", "cross_fraction", "spaced_eq_fraction")
+
+
+@dataclass(frozen=True)
+class Phrasing:
+    """One way to write the worked answer; the default is the canonical one."""
+
+    boxed: bool = True
+    swap_product: bool = False  # c*b instead of b*c
+    swap_sum: bool = False  # P+a instead of a+P
+    semicolons: tuple[bool, bool] = (False, False)  # each step ends ";" instead of "."
+    cross: bool = False  # "x" instead of "*"
+    spaced_eq: tuple[bool, bool] = (False, False)  # " = " instead of "=" in each step
 
 
 @dataclass(frozen=True)
@@ -53,10 +83,33 @@ class ToyProblem:
         return f"Compute {self.a} + {self.b} * {self.c}."
 
     def solution(self, boxed: bool = True) -> str:
-        """The worked answer the warm start imitates (what a correct rollout looks like)."""
+        """The canonical worked answer (what a correct rollout most often looks like)."""
+        return self.write(Phrasing(boxed=boxed))
+
+    def write(self, ph: Phrasing) -> str:
+        """The worked answer in a given phrasing: every phrasing is correct and gets the same
+        reward when boxed."""
         p, s = self.product, self.answer
-        end = (BOXED_END if boxed else UNBOXED_END).format(s)
-        return f"{self.b}*{self.c}={p}. {self.a}+{p}={s}. {end}"
+        f1, f2 = (self.c, self.b) if ph.swap_product else (self.b, self.c)
+        t1, t2 = (p, self.a) if ph.swap_sum else (self.a, p)
+        eq1, eq2 = (" = " if sp else "=" for sp in ph.spaced_eq)
+        sep1, sep2 = (";" if semi else "." for semi in ph.semicolons)
+        times = "x" if ph.cross else "*"
+        end = (BOXED_END if ph.boxed else UNBOXED_END).format(s)
+        return f"{f1}{times}{f2}{eq1}{p}{sep1} {t1}+{t2}{eq2}{s}{sep2} {end}"
+
+
+def draw_phrasing(rng: random.Random, mix) -> Phrasing:
+    """A phrasing with each fork's variant drawn independently at its share in `mix`
+    (an object with the FORK_FIELDS, e.g. model.tiny). The draw order is fixed."""
+    return Phrasing(
+        boxed=rng.random() >= mix.unboxed_fraction,
+        swap_product=rng.random() < mix.swapped_product_fraction,
+        swap_sum=rng.random() < mix.swapped_sum_fraction,
+        semicolons=(rng.random() < mix.semicolon_fraction, rng.random() < mix.semicolon_fraction),
+        cross=rng.random() < mix.cross_fraction,
+        spaced_eq=(rng.random() < mix.spaced_eq_fraction, rng.random() < mix.spaced_eq_fraction),
+    )
 
 
 def _space(toy_cfg) -> list[ToyProblem]:
@@ -98,12 +151,12 @@ def problems(toy_cfg, split: str) -> list[ToyProblem]:
     raise UserError(f"toy split '{split}': use train or heldout")
 
 
-def demos(pool: list[ToyProblem], count: int, unboxed_fraction: float, seed: int) -> Iterable[tuple[ToyProblem, str]]:
-    """Warm-start (problem, worked answer) pairs, a seeded fraction of them unboxed."""
+def demos(pool: list[ToyProblem], count: int, mix, seed: int) -> Iterable[tuple[ToyProblem, str]]:
+    """Warm-start (problem, worked answer) pairs, phrased at the shares in `mix` (model.tiny)."""
     rng = random.Random(seed)
     for _ in range(count):
         prob = pool[rng.randrange(len(pool))]
-        yield prob, prob.solution(boxed=rng.random() >= unboxed_fraction)
+        yield prob, prob.write(draw_phrasing(rng, mix))
 
 
 def rebox(response: str) -> str:
@@ -115,9 +168,22 @@ def rebox(response: str) -> str:
     return _UNBOXED_TAIL.sub(lambda m: BOXED_END.format(m.group(1)), response)
 
 
+@dataclass(frozen=True)
+class _EvenMix:
+    """Every variant at half share: the tokenizer sees each phrasing often, whatever the demo
+    mix of a given build (the tokenizer depends on the number ranges only)."""
+
+    unboxed_fraction: float = 0.5
+    swapped_product_fraction: float = 0.5
+    swapped_sum_fraction: float = 0.5
+    semicolon_fraction: float = 0.5
+    cross_fraction: float = 0.5
+    spaced_eq_fraction: float = 0.5
+
+
 def tokenizer_corpus(toy_cfg, instruction: str, count: int = 4000, seed: int = 0) -> list[str]:
-    """Text the embedded BPE tokenizer is trained on: problems, both answer endings, the
-    instruction, the chat roles. Depends only on the number ranges, not on the splits."""
+    """Text the embedded BPE tokenizer is trained on: problems, worked answers in every
+    phrasing, the instruction, the chat roles. Depends only on the number ranges."""
     rng = random.Random(seed)
     space = _space(toy_cfg)
     texts = ["user\n", "assistant\n", "system\n"] * 50
@@ -125,7 +191,7 @@ def tokenizer_corpus(toy_cfg, instruction: str, count: int = 4000, seed: int = 0
         prob = space[rng.randrange(len(space))]
         texts.append(prob.problem + "\n" + instruction)
         texts.append(prob.solution(boxed=True))
-        texts.append(prob.solution(boxed=False))
+        texts.append(prob.write(draw_phrasing(rng, _EvenMix())))
     return texts
 
 

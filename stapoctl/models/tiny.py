@@ -24,7 +24,7 @@ from stapoctl.errors import UserError
 
 # Bump when the build recipe changes in a way the config does not capture: old caches are
 # then rebuilt instead of silently reused.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: phrasing forks in the demos and the tokenizer corpus
 # The build runs with a fixed thread count: float reductions, hence the weights, depend on it.
 # One thread: ops on a model this small are overhead-bound, and on a shared 2-core machine a
 # second thread contending with other processes made steps 3-5x slower, not faster.
@@ -124,8 +124,11 @@ def check_tiny_config(tiny_cfg) -> None:
             f"model.tiny.num_heads={tiny_cfg.num_heads} is not a multiple of "
             f"model.tiny.num_kv_heads={tiny_cfg.num_kv_heads}: pick kv heads that divide it"
         )
-    if not 0.0 <= tiny_cfg.unboxed_fraction <= 1.0:
-        raise UserError(f"model.tiny.unboxed_fraction={tiny_cfg.unboxed_fraction}: use a value in [0, 1]")
+    from stapoctl.data.toy import FORK_FIELDS
+
+    for name in FORK_FIELDS:
+        if not 0.0 <= getattr(tiny_cfg, name) <= 1.0:
+            raise UserError(f"model.tiny.{name}={getattr(tiny_cfg, name)}: use a value in [0, 1]")
     if tiny_cfg.warm_start_steps < 0 or tiny_cfg.warm_start_lr <= 0:
         raise UserError("model.tiny.warm_start_steps must be >= 0 and model.tiny.warm_start_lr > 0")
 
@@ -244,14 +247,18 @@ def toy_scores(responses: list[list[str]], answers: list[str]) -> dict[str, floa
 
 
 def evaluate_toy(model, tokenizer, rows: list[dict], *, seed: int, max_new_tokens: int = 48) -> dict[str, Any]:
-    """Held-out toy accuracy at T=1.0 (avg over a few samples per problem) and greedy."""
-    from stapoctl.models.warm_start import sample
+    """Held-out toy accuracy at T=1.0 (avg over a few samples per problem) and greedy, and the
+    entropy profile of the T=1.0 samples (what STAPO's mask would act on)."""
+    from stapoctl.models import entropy_profile
+    from stapoctl.models.warm_start import decode, sample_ids
 
     prompts = [r["prompt"] for r in rows]
     answers = [r["answer"] for r in rows]
-    t1 = sample(model, tokenizer, prompts, n=EVAL_SAMPLES_PER_PROBLEM, temperature=1.0,
-                max_new_tokens=max_new_tokens, seed=seed)
-    greedy = sample(model, tokenizer, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=seed)
+    t1_ids = sample_ids(model, tokenizer, prompts, n=EVAL_SAMPLES_PER_PROBLEM, temperature=1.0,
+                        max_new_tokens=max_new_tokens, seed=seed)
+    greedy = decode(tokenizer, sample_ids(model, tokenizer, prompts, n=1, temperature=0.0,
+                                          max_new_tokens=max_new_tokens, seed=seed))
+    t1 = decode(tokenizer, t1_ids)
     s1, sg = toy_scores(t1, answers), toy_scores(greedy, answers)
     return {
         "heldout_problems": len(rows),
@@ -263,6 +270,7 @@ def evaluate_toy(model, tokenizer, rows: list[dict], *, seed: int, max_new_token
         "boxed_rate_t1": s1["boxed_rate"],
         "boxed_rate_greedy": sg["boxed_rate"],
         "example_t1": t1[0][0] if t1 and t1[0] else "",
+        "entropy_profile": entropy_profile.measure(model, tokenizer, prompts, t1_ids, answers),
     }
 
 
@@ -294,7 +302,7 @@ def build_base_model(out_dir: Path, model_cfg, data_cfg, console=None) -> dict[s
         steps, bs = tiny.warm_start_steps, tiny.warm_start_batch_size
         examples = [
             Example(prompts[p], text)
-            for p, text in toy.demos(pool, steps * bs, tiny.unboxed_fraction, seed=model_cfg.seed)
+            for p, text in toy.demos(pool, steps * bs, tiny, seed=model_cfg.seed)
         ]
         task = progress.add_task("tiny model: warm start", total=steps, info="")
         torch.manual_seed(model_cfg.seed)
@@ -343,11 +351,13 @@ def ensure_base_model(model_cfg, data_cfg, console=None) -> Path:
         _publish(tmp, final, BASE_EVAL)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    prof = report["entropy_profile"]
     console.print(
         f"tiny model {final.name}: {report['params']:,} params, held-out toy accuracy "
         f"T=1.0 {report['accuracy_t1']:.1%}, greedy {report['accuracy_greedy']:.1%} "
-        f"(arithmetic right regardless of the box: {report['arithmetic_t1']:.1%} at T=1.0), "
-        f"built in {report['build_seconds']:.0f} s",
+        f"(arithmetic right regardless of the box: {report['arithmetic_t1']:.1%} at T=1.0); "
+        f"token entropy h* (80th pct) {prof['h_star']:.3f} nats, top prob > 0.999 on "
+        f"{prof['top_prob_gt_0999']:.0%} of tokens; built in {report['build_seconds']:.0f} s",
         highlight=False,
     )
     return final

@@ -89,7 +89,7 @@ def warm_start(
 
 
 @torch.no_grad()
-def sample(
+def sample_ids(
     model,
     tokenizer,
     prompts: Sequence[str],
@@ -99,11 +99,12 @@ def sample(
     max_new_tokens: int,
     seed: int,
     batch_size: int = 512,
-) -> list[list[str]]:
-    """n responses per prompt with plain ancestral sampling (temperature 0 = greedy; no top-k)."""
+) -> list[list[list[int]]]:
+    """n sampled responses per prompt as token ids, up to and including eos (what the engine
+    returns and the learner scores); plain ancestral sampling, temperature 0 = greedy, no top-k."""
     torch.manual_seed(seed)
     flat = [p for p in prompts for _ in range(n)]
-    texts: list[str] = []
+    eos, out_ids = tokenizer.eos_token_id, []
     for start in range(0, len(flat), batch_size):
         chunk = flat[start : start + batch_size]
         enc = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
@@ -115,9 +116,18 @@ def sample(
             temperature=None if greedy else temperature,
             top_k=None if greedy else 0,
             top_p=None if greedy else 1.0,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=eos,
             pad_token_id=tokenizer.pad_token_id,
         )
-        gen = out[:, enc["input_ids"].shape[1] :]
-        texts.extend(tokenizer.batch_decode(gen, skip_special_tokens=True))
-    return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
+        for row in out[:, enc["input_ids"].shape[1] :].tolist():
+            out_ids.append(row[: row.index(eos) + 1] if eos in row else row)
+    return [out_ids[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def decode(tokenizer, ids: list[list[list[int]]]) -> list[list[str]]:
+    return [tokenizer.batch_decode(group, skip_special_tokens=True) for group in ids]
+
+
+def sample(model, tokenizer, prompts: Sequence[str], **kwargs) -> list[list[str]]:
+    """n responses per prompt as text (`sample_ids` decoded)."""
+    return decode(tokenizer, sample_ids(model, tokenizer, prompts, **kwargs))
