@@ -186,6 +186,9 @@ class TrainerConfig:
     log_every: int = 1
     val_before_train: bool = True  # validate the starting policy (step 0) when eval.every_n_steps > 0
     log_samples: int = 4  # responses saved as an MLflow text artifact at each validation
+    # 000 §3 token diagnostics (categories, prob–entropy histogram, spurious tokens) as MLflow
+    # artifacts diagnostics/step_NNNNNN/ every N steps; 0 = off
+    diagnostics_every: int = 20
 
 
 @dataclass

@@ -178,6 +178,14 @@ class StepRunner:
     def sync(self) -> dict:
         return self.engines.sync.push()
 
+    def log_diagnostics(self, batch, step: int) -> None:
+        """000 §3 token diagnostics of the step's batch (π, H of the learner's recompute pass)."""
+        from stapoctl.tracking.token_diagnostics import log_step
+
+        mini_rows = int(self.conf.learner.ppo_mini_batch_size) * int(self.conf.rollout.n)
+        log_step(batch, self._last_old, self._last_entropy, self.loss_cfg, step=step, mini_rows=mini_rows,
+                 decode=self.data.tokenizer.decode)
+
     def run(self, indices: list[int], step: int, *, do_sync: bool = True) -> tuple[Any, dict]:
         t0 = time.perf_counter()
         batch, m_gen = self.rollout(indices, step)
@@ -375,6 +383,7 @@ class Loop:
         conf, runner = self.conf, self.runner
         total = int(conf.trainer.total_steps)
         val_every, save_freq = int(conf.eval.every_n_steps or 0), int(conf.trainer.save_freq or 0)
+        diag_every = int(conf.trainer.get("diagnostics_every") or 0)
         val_sets = runner.data.val_sets
         last: dict = {}
         first_val: dict = {}
@@ -393,6 +402,9 @@ class Loop:
                     _log_samples(conf, batch, step)
                 mlflow_run.log_metrics(metrics, step=step)
                 mlflow.set_tag("stapoctl.step", str(step))
+                if diag_every > 0 and step % diag_every == 0:
+                    view.status("token diagnostics")
+                    runner.log_diagnostics(batch, step)
                 view.step(step, metrics)
                 last = metrics
                 if save_freq > 0 and (step % save_freq == 0 or step == total):
