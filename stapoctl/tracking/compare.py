@@ -340,8 +340,9 @@ def markdown(comp: Comparison, metrics: Sequence[tuple[str, str]] = TRAINING_COL
               "|" + "---|" * (len(present) + 1)]
     lines += ["| " + " | ".join([g] + [row[m].text(fmt=".4g", std_fmt=".2g") for m, _ in present]) + " |"
               for g, row in tr.items()]
-    lines += ["", "## Runs", "", "| group | seed | run |", "|---|---|---|"]
-    lines += [f"| {t.group} | {t.seed} | {comp.short[t.id]} ({t.run.info.run_name}) |" for t in comp.trials]
+    lines += ["", "## Runs", "", "| group | seed | run | status |", "|---|---|---|---|"]
+    lines += [f"| {t.group} | {t.seed} | {comp.short[t.id]} ({t.run.info.run_name}) | {t.run.info.status.lower()} |"
+              for t in comp.trials]
     return "\n".join(lines) + "\n"
 
 
