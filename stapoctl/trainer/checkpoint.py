@@ -95,8 +95,8 @@ def resolve_resume(spec: str, tracking_uri: Optional[str] = None) -> Path:
             raise UserError(f"resume={value}: MLflow run's dir {run_dir} has no checkpoint yet")
         return found.resolve()
     raise UserError(
-        f"resume={value}: not a directory and not an MLflow run id; pass a run dir, a "
-        "checkpoints/step_NNNNNN dir or the run id printed at the start of training"
+        f"resume={value}: not a directory and not a 32-hex MLflow run id (or a prefix of ≥ 7 digits, as "
+        "`stapoctl runs` prints it); pass a run dir, a checkpoints/step_NNNNNN dir or the run id"
     )
 
 
