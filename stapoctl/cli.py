@@ -127,9 +127,9 @@ def submit(
 def runs(
     experiment: str = typer.Option("stapoctl", "--experiment", help="MLflow experiment name"),
     uri: Optional[str] = typer.Option(None, "--uri", help="MLflow store (default: MLFLOW_TRACKING_URI or the local one)"),
-    limit: int = typer.Option(50, "--limit"),
+    limit: int = typer.Option(50, "--limit", help="Top-level runs to show (nested runs come with them)"),
 ) -> None:
-    """List runs in the MLflow store with their key metrics."""
+    """List runs, newest first: short ids, sweeps with their trials as a tree, key metrics."""
     from stapoctl.tracking.runs import list_runs
 
     list_runs(uri, experiment, console, max_results=limit)
@@ -137,33 +137,43 @@ def runs(
 
 @app.command()
 def compare(
-    run_ids: List[str] = typer.Argument(..., help="MLflow run ids"),
-    metric: Optional[List[str]] = typer.Option(None, "--metric", help="Metric to plot (repeatable)"),
-    out: Optional[str] = typer.Option(None, "--out", help="PNG path for the curves"),
+    ids: List[str] = typer.Argument(..., help="A sweep id, or run ids (full or short, as `stapoctl runs` prints)"),
+    metric: Optional[List[str]] = typer.Option(None, "--metric", help="Metric to plot and tabulate (repeatable)"),
+    out: Optional[str] = typer.Option(None, "--out", help="Directory for the table and figures "
+                                      "(default ./compare-<id>; a .png path names the curves file)"),
     uri: Optional[str] = typer.Option(None, "--uri"),
 ) -> None:
-    """Compare runs side by side: final metrics and a PNG of their curves."""
-    from stapoctl.tracking.runs import DEFAULT_CURVES, compare_runs
+    """Table 2 of the paper (rows: methods or swept values; mean ± std over seeds) and figures:
+    accuracy vs value, training curves with seed bands, per-category gradient norms."""
+    from stapoctl.tracking.compare import compare as run_compare
 
-    compare_runs(uri, run_ids, console, metrics=metric or DEFAULT_CURVES, out=out)
+    run_compare(uri, ids, console, metrics=metric or (), out=out)
 
 
 @app.command()
 def ui(
+    run: Optional[str] = typer.Argument(None, help="A sweep or run id: open its trials / its page"),
     port: int = typer.Option(5000, "--port"),
     host: str = typer.Option("127.0.0.1", "--host", help="Bind address (loopback by default)"),
+    experiment: str = typer.Option("stapoctl", "--experiment", help="MLflow experiment name"),
     uri: Optional[str] = typer.Option(None, "--uri"),
 ) -> None:
-    """Start the MLflow UI on the run store."""
+    """Start the MLflow UI on the run store; print the URLs of the runs table and of each
+    recent sweep's trials side by side."""
     from stapoctl.tracking.mlflow_run import tracking_uri
-    from stapoctl.tracking.runs import serve_ui
+    from stapoctl.tracking.runs import serve_ui, ui_links
 
     if not is_loopback(host):
         err_console.print(f"[yellow]warning:[/] --host {host} serves every run, metric and artifact of "
                           f"{tracking_uri(uri)} without authentication to anyone who can reach this machine; "
                           "keep the default 127.0.0.1 and use an SSH tunnel to view it remotely",
                           highlight=False, soft_wrap=True)
-    console.print(f"MLflow UI for {tracking_uri(uri)} at http://{host}:{port} (Ctrl-C to stop)")
+    links = ui_links(uri, experiment, host, port, run)
+    console.print(f"MLflow UI for {tracking_uri(uri)} (Ctrl-C to stop); open", highlight=False)
+    for what, url in links:
+        console.print(f"  {url}", style="bold", highlight=False, soft_wrap=True)
+        console.print(f"    {what}", style="dim", highlight=False)
+    sys.stdout.flush()  # before the server takes over the terminal (and for pipes)
     raise typer.Exit(serve_ui(uri, host, port))
 
 

@@ -131,6 +131,9 @@ def test_mlflow_eval_run_has_the_same_numbers(runs):
     assert run.data.metrics["eval/avg6/train/acc"] == pytest.approx(summary["averages"]["train"]["avg"])
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "generations")}
     assert len(artifacts) == 14  # 7 benchmarks × 2 decodings
+    # the run spans the work it records: open while the engines generated and verified
+    duration_s = (run.info.end_time - run.info.start_time) / 1000
+    assert summary["engine_s"] > 1 and duration_s >= summary["engine_s"] - 0.1, (duration_s, summary["engine_s"])
 
 
 def test_skipped_long_prompts_are_counted(runs):

@@ -131,11 +131,12 @@ def test_too_long_prompts_become_skipped_incorrect_records_without_an_engine():
 
 
 def test_eval_run_is_nested_under_the_training_run(tmp_path, monkeypatch):
-    """--model <training run id>: the eval run carries mlflow.parentRunId and stapoctl.train_run_id."""
+    """--model <training run id> (a short one here): the eval run carries mlflow.parentRunId and
+    stapoctl.train_run_id with the full id."""
     import mlflow
     from omegaconf import OmegaConf
 
-    from stapoctl.eval.runner import _log_mlflow
+    from stapoctl.eval.runner import _eval_run, _log_mlflow
     from stapoctl.tracking import mlflow_run
 
     monkeypatch.chdir(tmp_path)
@@ -146,8 +147,9 @@ def test_eval_run_is_nested_under_the_training_run(tmp_path, monkeypatch):
                              "eval": {"seed": 0}})
     summary = _summary()
     summary["limit"] = None
-    _log_mlflow(conf, summary, [], train_id, tmp_path, Console(record=True))
-    run = mlflow.MlflowClient(tracking_uri=uri).get_run(summary["mlflow_run_id"])
+    with _eval_run(conf, train_id[:8], summary["model_path"]) as opened:
+        _log_mlflow(conf, summary, [])
+    run = mlflow.MlflowClient(tracking_uri=uri).get_run(opened.info.run_id)
     assert run.data.tags["mlflow.parentRunId"] == train_id
     assert run.data.tags["stapoctl.train_run_id"] == train_id
     assert run.data.tags["stapoctl.kind"] == "eval"

@@ -18,6 +18,7 @@ OVERRIDES = [
     f"trainer.total_steps={TOTAL}",
     f"trainer.save_freq={SAVE}",
     "eval.every_n_steps=2",
+    "trainer.diagnostics_every=2",
 ]
 SAME_AT_STEP_3 = ("batch/fingerprint", "batch/prompts_fingerprint", "critic/score/mean",
                   "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
@@ -115,3 +116,25 @@ def test_resume_reproduces_the_next_step(run):
     # step 3 had correct answers, hence a real gradient: equal losses are not trivially zero
     norms = [v for s, v in history(run["uri"], first["run_id"], "actor/grad_norm") if s == 3]
     assert norms[0] > 0, "step 3 had no learning signal: the reproduction check would be vacuous"
+
+
+@pytest.mark.e2e
+def test_token_diagnostics_are_artifacts_and_agree_with_the_loss(run, tmp_path):
+    """diagnostics/step_000002/ holds the 000 §3 artifacts; with one mini-batch the loss saw the
+    same π, H and h*, so its logged h*, token count and spurious count equal the diagnostics'."""
+    import mlflow
+
+    from stapoctl.tracking.token_diagnostics import FILES, SPURIOUS
+
+    run_id = run["first"]["run_id"]
+    client = mlflow.MlflowClient(run["uri"])
+    listed = {a.path for a in client.list_artifacts(run_id, "diagnostics/step_000002")}
+    assert listed == {f"diagnostics/step_000002/{f}" for f in FILES}
+    local = client.download_artifacts(run_id, "diagnostics/step_000002/categories.json", str(tmp_path))
+    diag = json.loads(open(local).read())
+    at2 = {k: v for k in ("stapo/entropy_threshold", "loss/response_tokens", "stapo/spurious_count")
+           for s, v in history(run["uri"], run_id, k) if s == 2}
+    assert diag["h_star"] == [pytest.approx(at2["stapo/entropy_threshold"], abs=1e-5)]
+    assert diag["response_tokens"] == at2["loss/response_tokens"] > 0
+    assert diag["counts"][SPURIOUS] == at2["stapo/spurious_count"]
+    assert sum(diag["counts"].values()) + diag["zero_advantage"] == diag["response_tokens"]

@@ -227,6 +227,9 @@ class TrainerConfig:
     mode: str = spec("sync", choices=("sync", "async"))
     max_staleness: int = spec(1, range=NON_NEGATIVE, why="0 = synchronous")
     is_cap: float = spec(2.0, range="[1, inf)", why="the truncation of the importance weight")
+    # 000 §3 token diagnostics (categories, prob–entropy histogram, spurious tokens) as MLflow
+    # artifacts diagnostics/step_NNNNNN/ every N steps; 0 = off
+    diagnostics_every: int = 20
 
 
 @dataclass

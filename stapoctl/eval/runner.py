@@ -14,6 +14,7 @@ Responses that hit the token budget or the context end are `truncated`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -171,10 +172,13 @@ def _model_context(model_path: str) -> int | None:
     return int(value) if value else None
 
 
-def _train_run_id(model_spec: str) -> str | None:
-    import re
+def _train_run_id(model_spec: str, conf: Any) -> str | None:
+    """The full id of the training run --model names (full or short id), else None."""
+    from stapoctl.tracking.run_ids import looks_like_run_id, resolve_run_id
 
-    return model_spec if re.fullmatch(r"[0-9a-f]{32}", model_spec or "") else None
+    if not looks_like_run_id(model_spec) or Path(model_spec).expanduser().exists():
+        return None
+    return resolve_run_id(model_spec, conf.tracking.uri, what="model")
 
 
 def start_workers(conf: Any, model_path: str, max_model_len: int) -> list[Any]:
@@ -266,15 +270,20 @@ def run_eval(conf: Any, benches: Sequence[str], model: str | None = None, k: int
             jobs.append(dict(bench=bench, decoding=dec, k=bench_k, problems=problems, todo=todo, store=store,
                              reused=len(problems) - len(todo), generated=0, max_model_len=max_model_len))
 
-    engine_s = 0.0
-    if any(job["todo"] for job in jobs):
-        engine_s = _generate(conf, jobs, model_path, max_response, console)
+    # the MLflow run is open while the engines work, so its duration is the evaluation's
+    with _eval_run(conf, model_spec, model_path) as run:
+        engine_s = 0.0
+        if any(job["todo"] for job in jobs):
+            engine_s = _generate(conf, jobs, model_path, max_response, console)
+        summary = _summarize(jobs, conf, model_spec, model_path, out_dir, limit, time.perf_counter() - t_start,
+                             engine_s)
+        from stapoctl.eval.report import print_report
 
-    summary = _summarize(jobs, conf, model_spec, model_path, out_dir, limit, time.perf_counter() - t_start, engine_s)
-    from stapoctl.eval.report import print_report
-
-    print_report(summary, console)
-    _log_mlflow(conf, summary, jobs, model_spec, out_dir, console)
+        print_report(summary, console)
+        _log_mlflow(conf, summary, jobs)
+        summary["mlflow_run_id"] = run.info.run_id
+    console.print(f"MLflow run {summary['mlflow_run_id']} (experiment '{conf.tracking.experiment}'); "
+                  f"generations in {out_dir}", highlight=False)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -354,40 +363,44 @@ def _display_name(model_spec: str, model_path: str) -> str:
     return path.name if path.exists() else model_path
 
 
-def _log_mlflow(conf, summary: dict, jobs: list[dict], model_spec: str, out_dir: Path, console: Any) -> None:
+@contextlib.contextmanager
+def _eval_run(conf, model_spec: str, model_path: str):
     """A new run (kind=eval), nested under the training run when --model was its run id."""
+    from stapoctl.tracking import mlflow_run
+
+    train_run = _train_run_id(model_spec, conf)
+    tags = {"stapoctl.kind": "eval", "stapoctl.model": model_spec or "(embedded tiny)",
+            "stapoctl.model_path": model_path}
+    if train_run:
+        tags["stapoctl.train_run_id"] = train_run
+    with mlflow_run.start_run(uri=conf.tracking.uri, experiment=conf.tracking.experiment,
+                              run_name=f"eval-{Path(model_path).name}", parent_run_id=train_run, tags=tags) as run:
+        yield run
+
+
+def _log_mlflow(conf, summary: dict, jobs: list[dict]) -> None:
+    """Params, metrics and artifacts of the finished evaluation into the open eval run."""
     import mlflow
 
     from stapoctl.tracking import mlflow_run
 
-    train_run = _train_run_id(model_spec)
-    tags = {"stapoctl.kind": "eval", "stapoctl.model": model_spec or "(embedded tiny)",
-            "stapoctl.model_path": summary["model_path"]}
-    if train_run:
-        tags["stapoctl.train_run_id"] = train_run
     benches = sorted({r["bench"] for r in summary["results"]})
-    with mlflow_run.start_run(uri=conf.tracking.uri, experiment=conf.tracking.experiment,
-                              run_name=f"eval-{Path(summary['model_path']).name}", parent_run_id=train_run,
-                              tags=tags) as run:
-        mlflow.log_params({"benches": ",".join(benches), "limit": str(summary["limit"]),
-                           "max_response_length": summary["max_response_length"],
-                           "model_path": summary["model_path"], "seed": int(conf.eval.seed)})
-        metrics: dict[str, float] = {}
-        for r in summary["results"]:
-            base = f"eval/{r['bench']}/{r['decoding']}"
-            for key in (f"avg@{r['k']}", f"avg@{r['k']}_ci95", f"pass@{r['k']}", "pass@1", f"maj@{r['k']}",
-                        "response_length", "truncation_rate", "no_answer_rate", "skipped", "problems",
-                        "verify_timeouts"):
-                metrics[f"{base}/{mlflow_key(key)}"] = r[key]
-        for dec, avg in summary["averages"].items():
-            metrics[f"eval/avg{avg['benches']}/{dec}/acc"] = avg["avg"]
-        metrics["timing_s/eval"] = summary["wall_s"]
-        mlflow_run.log_metrics(metrics, step=0)
-        if conf.tracking.log_artifacts:
-            for job in jobs:
-                if job["store"].path.exists():
-                    mlflow.log_artifact(str(job["store"].path), artifact_path="generations")
-            mlflow.log_text(json.dumps(summary, indent=2), "summary.json")
-        summary["mlflow_run_id"] = run.info.run_id
-    console.print(f"MLflow run {summary['mlflow_run_id']} (experiment '{conf.tracking.experiment}'); "
-                  f"generations in {out_dir}", highlight=False)
+    mlflow.log_params({"benches": ",".join(benches), "limit": str(summary["limit"]),
+                       "max_response_length": summary["max_response_length"],
+                       "model_path": summary["model_path"], "seed": int(conf.eval.seed)})
+    metrics: dict[str, float] = {}
+    for r in summary["results"]:
+        base = f"eval/{r['bench']}/{r['decoding']}"
+        for key in (f"avg@{r['k']}", f"avg@{r['k']}_ci95", f"pass@{r['k']}", "pass@1", f"maj@{r['k']}",
+                    "response_length", "truncation_rate", "no_answer_rate", "skipped", "problems",
+                    "verify_timeouts"):
+            metrics[f"{base}/{mlflow_key(key)}"] = r[key]
+    for dec, avg in summary["averages"].items():
+        metrics[f"eval/avg{avg['benches']}/{dec}/acc"] = avg["avg"]
+    metrics["timing_s/eval"] = summary["wall_s"]
+    mlflow_run.log_metrics(metrics, step=0)
+    if conf.tracking.log_artifacts:
+        for job in jobs:
+            if job["store"].path.exists():
+                mlflow.log_artifact(str(job["store"].path), artifact_path="generations")
+        mlflow.log_text(json.dumps(summary, indent=2), "summary.json")

@@ -1,8 +1,9 @@
 """Turn what a user typed as a model (`model.path`, `--model`) into something an engine loads.
 
 "" is the embedded tiny model; a model dir is itself; a run or checkpoint dir is its newest
-checkpoint's `model/`; a 32-hex MLflow run id is that run's `stapoctl.run_dir` tag, then as
-a run dir; anything else is an HF hub id, passed through for the engines to download.
+checkpoint's `model/`; an MLflow run id (full, or a short one as `stapoctl runs` prints it)
+is that run's `stapoctl.run_dir` tag, then as a run dir; anything else is an HF hub id,
+passed through for the engines to download.
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ import re
 from pathlib import Path
 
 from stapoctl.errors import UserError
+from stapoctl.tracking.run_ids import looks_like_run_id, run_dir_of
 
-RUN_DIR_TAG = "stapoctl.run_dir"
-_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -49,22 +49,6 @@ def _from_dir(path: Path, spec: str) -> str:
     return str(step / "model")
 
 
-def _run_dir_of(run_id: str, cfg) -> Path:
-    import mlflow
-
-    from stapoctl.tracking.mlflow_run import tracking_uri
-
-    uri = tracking_uri(getattr(getattr(cfg, "tracking", None), "uri", None))
-    try:
-        run = mlflow.MlflowClient(tracking_uri=uri).get_run(run_id)
-    except Exception as exc:  # MlflowException for an unknown id or an unreachable store
-        raise UserError(f"model '{run_id}': no such MLflow run in {uri} ({type(exc).__name__})") from exc
-    run_dir = run.data.tags.get(RUN_DIR_TAG)
-    if not run_dir:
-        raise UserError(f"model '{run_id}': MLflow run has no '{RUN_DIR_TAG}' tag (not a stapoctl training run)")
-    return Path(run_dir)
-
-
 def resolve_model(spec: str, cfg, console=None) -> str:
     """A local model dir or an HF hub id; builds (or finds cached) the tiny model for ""."""
     spec = (spec or "").strip()
@@ -78,8 +62,9 @@ def resolve_model(spec: str, cfg, console=None) -> str:
     path = Path(spec).expanduser()
     if path.is_dir():
         return _from_dir(path.resolve(), spec)
-    if _RUN_ID.match(spec):
-        return _from_dir(_run_dir_of(spec, cfg), spec)
+    if looks_like_run_id(spec):
+        uri = getattr(getattr(cfg, "tracking", None), "uri", None)
+        return _from_dir(run_dir_of(spec, uri, what="model"), spec)
     if path.exists():
         raise UserError(f"model '{spec}' is a file: give the model dir that holds config.json")
     if spec.startswith(("/", ".", "~")) or not _HUB_ID.match(spec):

@@ -1,7 +1,9 @@
-"""Reading runs back out of the MLflow store: `stapoctl runs`, `stapoctl compare`, `stapoctl ui`.
+"""`stapoctl runs` and `stapoctl ui`: the terminal's and the browser's view of the run store.
 
-The MLflow UI is where researchers compare runs; these commands are the terminal's view of
-the same store, and `compare` writes the curves as a PNG so a figure can go into a note.
+`runs` fits an 80-column terminal: git-style short ids, nested runs (a sweep's trials, the
+eval runs of a training run) indented under their parent. `ui` serves MLflow's UI and prints
+the URL of the experiment's runs table (MLflow 3 opens an experiment on its GenAI overview,
+where no run is in sight) and, per sweep, a saved view with its trials side by side.
 """
 
 from __future__ import annotations
@@ -9,103 +11,189 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
-from typing import Sequence
+from typing import Optional
 
 from rich.console import Console
 from rich.table import Table
 
 from stapoctl.errors import UserError
+from stapoctl.tracking import keys
 from stapoctl.tracking.mlflow_run import tracking_uri
+from stapoctl.tracking.run_ids import short_ids
 
-# MLflow refuses "@" in metric names: avg@k is logged as avg_at_k
-DEFAULT_CURVES = ("val/toy/train/avg_at_4", "critic/score/mean", "actor/entropy", "stapo/spurious_ratio")
+STATUS = {"FINISHED": "done", "RUNNING": "running", "FAILED": "failed", "KILLED": "killed", "SCHEDULED": "queued"}
 
 
-def _client(uri: str | None):
+def _client(uri: Optional[str]):
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=tracking_uri(uri))
 
 
-def list_runs(uri: str | None, experiment: str, console: Console, max_results: int = 50) -> list:
-    client = _client(uri)
+def _experiment(client, uri: Optional[str], experiment: str):
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise UserError(
             f"no MLflow experiment '{experiment}' in {tracking_uri(uri)}: run `stapoctl train` first "
-            "or set tracking.experiment / MLFLOW_TRACKING_URI"
+            "or set --experiment / --uri (MLFLOW_TRACKING_URI)"
         )
-    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=max_results)
-    table = Table(title=f"runs in '{experiment}' ({tracking_uri(uri)})")
-    table.add_column("run id", no_wrap=True, min_width=32)
-    for col in ("name", "kind", "loss", "status", "steps", "score", "val acc"):
-        table.add_column(col)
-    for run in runs:
-        m, p, t = run.data.metrics, run.data.params, run.data.tags
-        val = next((f"{v:.3f}" for k, v in sorted(m.items()) if k.startswith("val/") and "/avg_at_" in k), "")
-        table.add_row(
-            run.info.run_id,
-            run.info.run_name or "",
-            t.get("stapoctl.kind", "train"),
-            p.get("loss.name", ""),
-            run.info.status,
-            t.get("stapoctl.step", ""),
-            f"{m['critic/score/mean']:.3f}" if "critic/score/mean" in m else "",
-            val,
-        )
-    console.print(table)
-    return runs
+    return exp
 
 
-def compare_runs(
-    uri: str | None,
-    run_ids: Sequence[str],
-    console: Console,
-    metrics: Sequence[str] = DEFAULT_CURVES,
-    out: str | None = None,
-) -> Path:
-    """Final values side by side and one PNG with a panel per metric (a line per run)."""
-    import matplotlib
+def _accuracy(run) -> str:
+    """The run's headline accuracy: eval before val, T=1.0 before T=0.7, paper avg first."""
+    m = run.data.metrics
+    best = None
+    for name, value in m.items():
+        parsed = keys.parse_accuracy_metric(name)
+        if parsed:
+            source, bench, dec, _ = parsed
+            rank = (source != "eval", dec != "train", bench)
+            if best is None or rank < best[0]:
+                best = (rank, value)
+    avg = [v for k, v in m.items() if k.startswith("eval/avg") and k.endswith("/train/acc")]
+    value = avg[0] if avg else (best[1] if best else None)
+    return f"{100 * value:.1f}%" if value is not None else ""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from mlflow.exceptions import MlflowException
+
+def _label(run, parent) -> str:
+    """A root shows its name; a sweep's trial its value and seed; other children their name."""
+    t = run.data.tags
+    if t.get(keys.KIND) == keys.KIND_SWEEP:
+        return f"sweep {t.get(keys.SWEEP_NAME) or run.info.run_name or ''}".strip()
+    if parent is not None and keys.SWEEP_VALUE in t:
+        seed = t.get(keys.SEED)
+        return f"{t[keys.SWEEP_VALUE]}" + (f" · seed {seed}" if seed not in (None, "") else "")
+    return run.info.run_name or ""
+
+
+def _what(run) -> str:
+    """loss for a training run, the swept key for a sweep, 'eval' for an evaluation."""
+    t, p = run.data.tags, run.data.params
+    kind = t.get(keys.KIND, keys.KIND_TRAIN)
+    if kind == keys.KIND_SWEEP:
+        return p.get(keys.SWEEP_KEY, "")
+    if kind == keys.KIND_EVAL:
+        return "eval"
+    return p.get(keys.LOSS_NAME) or t.get(keys.LOSS, "")
+
+
+def list_runs(uri: Optional[str], experiment: str, console: Console, max_results: int = 50) -> list:
+    """Newest top-level runs first, each followed by its nested runs as a tree."""
+    from mlflow.entities import ViewType
 
     client = _client(uri)
-    runs = []
-    for rid in run_ids:
-        try:
-            runs.append(client.get_run(rid))
-        except MlflowException:
-            raise UserError(f"run id '{rid}' not found in {tracking_uri(uri)}: see `stapoctl runs`") from None
-    table = Table(title="final metrics")
-    table.add_column("metric")
-    for run in runs:
-        table.add_column(run.info.run_name or run.info.run_id[:8])
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.2), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
-        finals = []
-        for run in runs:
-            hist = sorted(client.get_metric_history(run.info.run_id, metric), key=lambda h: h.step)
-            if hist:
-                ax.plot([h.step for h in hist], [h.value for h in hist], label=run.info.run_name or run.info.run_id[:8])
-            finals.append(f"{hist[-1].value:.4g}" if hist else "—")
-        table.add_row(metric, *finals)
-        ax.set_title(metric, fontsize=9)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(out or f"compare_{'_'.join(r.info.run_id[:8] for r in runs)}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    exp = _experiment(client, uri, experiment)
+    eid = [exp.experiment_id]
+    roots = client.search_runs(eid, filter_string=f"tags.`{keys.PARENT}` IS NULL",
+                               order_by=["attributes.start_time DESC"], max_results=max_results)
+    nested = client.search_runs(eid, filter_string=f"tags.`{keys.PARENT}` IS NOT NULL",
+                                order_by=["attributes.start_time ASC"], max_results=50000)
+    kids: dict[str, list] = {}
+    for r in nested:
+        kids.setdefault(r.data.tags[keys.PARENT], []).append(r)
+    every = [r.info.run_id for r in client.search_runs(eid, run_view_type=ViewType.ALL, max_results=50000)]
+    short = short_ids(every)
+
+    table = Table(box=None, padding=(0, 1), collapse_padding=True, pad_edge=False, show_edge=False,
+                  header_style="bold")
+    table.add_column("id", no_wrap=True, style="yellow")
+    table.add_column("run", overflow="fold", ratio=1)
+    table.add_column("loss/key", overflow="fold", max_width=18)
+    for col in ("status", "step", "score", "acc"):
+        table.add_column(col, no_wrap=True, justify="left" if col == "status" else "right")
+    shown = []
+
+    def add(run, parent, prefix: str, last: bool) -> None:
+        m = run.data.metrics
+        branch = "" if parent is None else prefix + ("└ " if last else "├ ")
+        score = m.get(keys.SCORE)
+        table.add_row(short[run.info.run_id], branch + _label(run, parent), _what(run),
+                      STATUS.get(run.info.status, run.info.status.lower()), run.data.tags.get(keys.STEP, ""),
+                      f"{score:+.2f}" if score is not None else "", _accuracy(run))
+        shown.append(run)
+        children = kids.get(run.info.run_id, [])
+        for i, child in enumerate(children):
+            deeper = "" if parent is None else prefix + ("  " if last else "│ ")
+            add(child, run, deeper, i == len(children) - 1)
+
+    for run in roots:
+        add(run, None, "", True)
+    console.print(f"[bold]runs in '{experiment}'[/]", highlight=False)
+    console.print(f"store {tracking_uri(uri)}", style="dim", highlight=False)
+    if not roots:
+        console.print("(no runs yet: `stapoctl train`)")
+        return []
     console.print(table)
-    console.print(f"curves written to [bold]{path}[/]")
-    return path
+    console.print("Short ids work wherever a run id is taken (compare, eval --model, train resume=).",
+                  style="dim", highlight=False)
+    return shown
 
 
-def serve_ui(uri: str | None, host: str, port: int) -> int:
+# -- ui -------------------------------------------------------------------------------------------
+SHARED_VIEW = "mlflow.sharedViewState."  # MLflow's "share view" experiment tags: ?viewStateShareKey=
+SWEEP_METRICS = (keys.ACCURACY, keys.ENTROPY, keys.SPURIOUS_RATIO, keys.RESPONSE_LENGTH)
+
+
+def sweep_view(client, sweep) -> str:
+    """Register a shared runs-table view of a sweep (its trials grouped by swept value, seeds
+    averaged, the swept param, the seed and key metrics as columns); returns its share key.
+
+    MLflow's UI cannot be told by URL to expand a parent's nested runs, but it loads a view
+    saved as the experiment tag `mlflow.sharedViewState.<key>` (what its "Share" button writes).
+    """
+    import json
+
+    sid = sweep.data.tags.get(keys.SWEEP_ID) or sweep.info.run_id
+    trials = client.search_runs([sweep.info.experiment_id], filter_string=f"tags.`{keys.SWEEP_ID}` = '{sid}'",
+                                max_results=1000)
+    key = sweep.data.params.get(keys.SWEEP_KEY, "")
+    params = [p for p in (keys.LOSS_NAME if key == "loss" else key, "trainer.seed")
+              if p and any(p in t.data.params for t in trials)]
+    val = sorted({m for t in trials for m in t.data.metrics if keys.parse_accuracy_metric(m)})
+    metrics = val + [m for m in SWEEP_METRICS if any(m in t.data.metrics for t in trials)]
+    state = {
+        "searchFilter": f"tags.`{keys.SWEEP_ID}` = '{sid}'",
+        "orderByKey": "attributes.start_time", "orderByAsc": True,
+        "groupBy": {"aggregateFunction": "average",
+                    "groupByKeys": [{"mode": "tag", "groupByData": keys.SWEEP_VALUE}]},
+        "selectedColumns": [f"params.`{p}`" for p in params] + [f"metrics.`{m}`" for m in metrics],
+    }
+    share = f"stapoctl-sweep-{sweep.info.run_id[:12]}"
+    client.set_experiment_tag(sweep.info.experiment_id, SHARED_VIEW + share, json.dumps(state))
+    return share
+
+
+def ui_links(uri: Optional[str], experiment: str, host: str, port: int,
+             run: Optional[str] = None) -> list[tuple[str, str]]:
+    """(what, URL) to print: the experiment's runs table (MLflow 3 opens an experiment on its
+    GenAI overview otherwise), a view per recent sweep; or the one run / sweep asked for."""
+    from stapoctl.tracking.run_ids import resolve_run_id
+
+    shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    base = f"http://{shown_host}:{port}/#/experiments"
+    client = _client(uri)
+    if run:
+        found = client.get_run(resolve_run_id(run, uri, what="ui"))
+        eid = found.info.experiment_id
+        if found.data.tags.get(keys.KIND) == keys.KIND_SWEEP:
+            return [(f"sweep {found.data.tags.get(keys.SWEEP_NAME, '')}: trials by value, seeds averaged",
+                     f"{base}/{eid}/runs?viewStateShareKey={sweep_view(client, found)}")]
+        return [(f"run {found.info.run_name}", f"{base}/{eid}/runs/{found.info.run_id}")]
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return [(f"no experiment '{experiment}' in the store yet: the experiment list", base)]
+    links = [(f"runs of '{experiment}' (nested runs sit under their parent: expand ▸)",
+              f"{base}/{exp.experiment_id}/runs")]
+    sweeps = client.search_runs([exp.experiment_id], filter_string=f"tags.`{keys.KIND}` = '{keys.KIND_SWEEP}'",
+                                order_by=["attributes.start_time DESC"], max_results=3)
+    for sw in sweeps:
+        links.append((f"sweep {sw.data.tags.get(keys.SWEEP_NAME, '')} {sw.info.run_id[:7]}: trials by value",
+                      f"{base}/{exp.experiment_id}/runs?viewStateShareKey={sweep_view(client, sw)}"))
+    return links
+
+
+def serve_ui(uri: Optional[str], host: str, port: int) -> int:
     """The MLflow UI on our store; bound to loopback unless the user asks otherwise."""
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     cmd = [

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from stapoctl.errors import UserError
+from stapoctl.tracking.run_ids import looks_like_run_id, run_dir_of
 
 TRAINER_STATE = "trainer_state.json"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
-_RUN_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
 def step_dir_name(step: int) -> str:
@@ -76,7 +76,7 @@ def read_trainer_state(step_dir: Path) -> dict:
 def resolve_resume(spec: str, tracking_uri: Optional[str] = None) -> Path:
     """`resume=` → the checkpoint step dir to continue from.
 
-    Accepts a step dir, a run dir (its latest checkpoint), or a 32-hex MLflow run id (its
+    Accepts a step dir, a run dir (its latest checkpoint), or an MLflow run id, full or short (its
     tag `stapoctl.run_dir`, then the latest checkpoint there).
     """
     value = str(spec).strip()
@@ -88,36 +88,16 @@ def resolve_resume(spec: str, tracking_uri: Optional[str] = None) -> Path:
         if found is None:
             raise UserError(f"resume={value}: no checkpoint under {path} (expected checkpoints/step_NNNNNN/)")
         return found.resolve()
-    if _RUN_ID_RE.match(value):
-        run_dir = _run_dir_from_mlflow(value, tracking_uri)
+    if looks_like_run_id(value):
+        run_dir = run_dir_of(value, tracking_uri, what="resume")
         found = latest_step_dir(run_dir)
         if found is None:
             raise UserError(f"resume={value}: MLflow run's dir {run_dir} has no checkpoint yet")
         return found.resolve()
     raise UserError(
-        f"resume={value}: not a directory and not a 32-hex MLflow run id; pass a run dir, a "
-        "checkpoints/step_NNNNNN dir or the run id printed at the start of training"
+        f"resume={value}: not a directory and not a 32-hex MLflow run id (or a prefix of ≥ 7 digits, as "
+        "`stapoctl runs` prints it); pass a run dir, a checkpoints/step_NNNNNN dir or the run id"
     )
-
-
-def _run_dir_from_mlflow(run_id: str, tracking_uri: Optional[str]) -> Path:
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    from stapoctl.tracking import mlflow_run
-
-    client = mlflow.MlflowClient(tracking_uri=mlflow_run.tracking_uri(tracking_uri))
-    try:
-        run = client.get_run(run_id)
-    except MlflowException as exc:
-        raise UserError(
-            f"resume={run_id}: no such run in the MLflow store {mlflow_run.tracking_uri(tracking_uri)}; "
-            "set tracking.uri (or MLFLOW_TRACKING_URI) to the store it was logged in"
-        ) from exc
-    run_dir = run.data.tags.get("stapoctl.run_dir")
-    if not run_dir:
-        raise UserError(f"resume={run_id}: that MLflow run has no tag stapoctl.run_dir (not a stapoctl training run)")
-    return Path(run_dir)
 
 
 def rng_state() -> dict[str, Any]:

@@ -220,6 +220,14 @@ class StepRunner:
         self.engines.sync.push_async()
         return {"timing_s/sync": time.perf_counter() - t0}
 
+    def log_diagnostics(self, batch, step: int) -> None:
+        """000 §3 token diagnostics of the step's batch (π, H of the learner's recompute pass)."""
+        from stapoctl.tracking.token_diagnostics import log_step
+
+        mini_rows = int(self.conf.learner.ppo_mini_batch_size) * int(self.conf.rollout.n)
+        log_step(batch, self._last_old, self._last_entropy, self.loss_cfg, step=step, mini_rows=mini_rows,
+                 decode=self.data.tokenizer.decode)
+
     def finish(self, pending: PendingRollout, *, wait_sync: bool = True) -> tuple[Any, dict]:
         """Collect a launched rollout, score it, update on it, sync: one training step."""
         t0 = time.perf_counter()
@@ -430,6 +438,7 @@ class Loop:
         conf, runner = self.conf, self.runner
         total = int(conf.trainer.total_steps)
         val_every, save_freq = int(conf.eval.every_n_steps or 0), int(conf.trainer.save_freq or 0)
+        diag_every = int(conf.trainer.get("diagnostics_every") or 0)
         val_sets = runner.data.val_sets
         last: dict = {}
         first_val: dict = {}
@@ -462,6 +471,9 @@ class Loop:
                     _log_samples(conf, batch, step)
                 mlflow_run.log_metrics(metrics, step=step)
                 mlflow.set_tag("stapoctl.step", str(step))
+                if diag_every > 0 and step % diag_every == 0:
+                    view.status("token diagnostics")
+                    runner.log_diagnostics(batch, step)
                 view.step(step, metrics)
                 last = metrics
                 if save_freq > 0 and (step % save_freq == 0 or step == total):
