@@ -238,6 +238,64 @@ def base_args(parser, *, repeats: int = 5) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: smallest sizes, fewest repeats; prints, does not save results")
     parser.add_argument("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
+    parser.add_argument("--write-docs", action="store_true", help="rewrite the table in docs/PERFORMANCE.md")
+
+
+def publish(name: str, rows: list[dict], args, console, *, config: dict, seconds: float, env: dict,
+            extra: Optional[dict] = None) -> None:
+    """Save the rows (unless --quick) and, with --write-docs, rewrite the docs table."""
+    if args.quick:
+        console.print("[dim]quick run: results not saved[/]")
+        return
+    path = save(name, rows, config=config, seconds=seconds, env=env, extra=extra, out_dir=Path(args.out))
+    console.print(f"results: {path}")
+    if args.write_docs:
+        write_docs(Path(args.out))
+
+
+def trl_missing(console) -> bool:
+    """True (after telling the user how to install it) when TRL, the RL rows' peer, is absent."""
+    try:
+        import trl  # noqa: F401
+
+        return False
+    except ImportError:
+        console.print(f"[red]error:[/] TRL (the peer of the RL rows) is not installed; install the bench "
+                      f"extra: {sys.executable} -m pip install -e '{ROOT}[bench]'", highlight=False)
+        return True
+
+
+class LoadWatch:
+    """The 1-minute load average at the start and end of each side's run: on this shared machine
+    another agent's work shows up as noise, and the row says so instead of hiding it."""
+
+    LIMIT = 2.5  # 2 cores; above this something besides the benchmark was running
+
+    def __init__(self) -> None:
+        self.seen: dict[str, list[float]] = {}
+
+    def mark(self, side: str) -> None:
+        try:
+            self.seen.setdefault(side, []).append(round(os.getloadavg()[0], 2))
+        except OSError:
+            pass
+
+    def check(self) -> dict[str, Any]:
+        peak = max((x for v in self.seen.values() for x in v), default=None)
+        if peak is None:
+            return check("load", None, "load unknown")
+        quiet = peak <= self.LIMIT
+        return check("load", True if quiet else None,
+                     f"load avg ≤ {peak:.1f}" + ("" if quiet else " (other work running: noisy)"))
+
+
+def min_ratio(ours: Sequence[float], peer: Sequence[float], lower_is_better: bool) -> Optional[float]:
+    """The ratio of the best samples: less sensitive to other load than the medians' ratio."""
+    o = [x for x in ours if x == x]
+    p = [x for x in peer if x == x]
+    if not o or not p:
+        return None
+    return min(p) / min(o) if lower_is_better else max(o) / max(p)
 
 
 def run_worker(script: Path, payload: dict, *, timeout: Optional[float] = None, env: Optional[dict] = None) -> dict:
@@ -251,14 +309,3 @@ def run_worker(script: Path, payload: dict, *, timeout: Optional[float] = None, 
         raise RuntimeError(f"{script.name} worker exited with {proc.returncode}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1])
-
-
-def need_trl() -> Optional[str]:
-    """None when TRL is importable, else the message telling the user how to get it."""
-    try:
-        import trl  # noqa: F401
-
-        return None
-    except ImportError:
-        return (f"TRL (the peer of the RL rows) is not installed; install the bench extra: "
-                f"{sys.executable} -m pip install -e '{ROOT}[bench]'")

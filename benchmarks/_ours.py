@@ -117,16 +117,16 @@ def whole_command(args: list[str], *, env: Optional[dict] = None, timeout: float
     the engines' start-up line it prints, and its exit code."""
     full_env = {**os.environ, **(env or {}), "COLUMNS": "200"}
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), full_env.get("PYTHONPATH")) if p)
-    t0 = time.perf_counter()
+    t0, epoch0 = time.perf_counter(), time.time()
     proc = subprocess.run([sys.executable, "-m", "stapoctl.cli", "train", *args], capture_output=True, text=True,
                           env=full_env, timeout=timeout)
-    wall = time.perf_counter() - t0
+    wall, epoch1 = time.perf_counter() - t0, time.time()
     if proc.returncode:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
         raise RuntimeError(f"stapoctl train exited with {proc.returncode}")
     m = ENGINES_LINE.search(proc.stdout)
     run_id = re.search(r"MLflow run ([0-9a-f]{32})", proc.stdout)
-    return {"wall_s": wall, "engines_s": float(m.group(1)) if m else None,
+    return {"wall_s": wall, "spawn_epoch": epoch0, "exit_epoch": epoch1, "engines_s": float(m.group(1)) if m else None,
             "vllm_init_s": float(m.group(2)) if m else None, "learner_setup_s": float(m.group(3)) if m else None,
             "run_id": run_id.group(1) if run_id else None}
 

@@ -58,12 +58,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     H.base_args(p, repeats=2)
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the embedded default's)")
-    p.add_argument("--write-docs", action="store_true", help="rewrite the table in docs/PERFORMANCE.md")
     a = p.parse_args(argv)
     console = Console()
-    missing = H.need_trl()
-    if missing:
-        console.print(f"[red]error:[/] {missing}")
+    if H.trl_missing(console):
         return 2
     conf = _peers.compose([])
     steps = 10 if a.quick else int(a.steps or conf.trainer.total_steps)
@@ -73,9 +70,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="stapoctl-bench-learning-"))
     ours, peers = [], []
+    load = H.LoadWatch()
     try:
         for r in range(repeats):
             for side in (("ours", "peer") if r % 2 == 0 else ("peer", "ours")):
+                load.mark(side)
                 if side == "ours":
                     console.print(f"repeat {r + 1}/{repeats}: stapoctl train ({steps} steps, whole command) …")
                     ours.append(stapoctl_run(steps, tmp / f"ours{r}"))
@@ -86,6 +85,7 @@ def main(argv=None) -> int:
                                              "loss_check": r == 0})
                     res["model"] = str(tmp / f"peer{r}")
                     peers.append(res)
+                load.mark(side)
         console.print("held-out toy accuracy of the base and every final model …")
         models = {"base": base, **{f"ours{i}": o["model"] for i, o in enumerate(ours) if o["model"]},
                   **{f"peer{i}": x["model"] for i, x in enumerate(peers)}}
@@ -115,21 +115,29 @@ def main(argv=None) -> int:
                 f"same-batch DAPO loss {lc.get('stapoctl', float('nan')):.6g} vs {lc.get('trl', float('nan')):.6g}"),
         H.check("dtype", all(x["param_dtype"] == "float32" and not x["autocast"] for x in peers)
                 and str(conf.model.dtype) == "float32", "fp32 both"),
+        load.check(),
     ]
+    best = H.min_ratio(ours_rate, peer_rate, lower_is_better=False)
     step_ms = [_ours.step_seconds({int(k): v for k, v in o["step_end_ms"].items()}) for o in ours]
+    # the whole command outside the steps: process start → step 1 logged, last step logged → exit
+    before = [min(o["step_end_ms"].values()) / 1e3 - o["spawn_epoch"] for o in ours if o["step_end_ms"]]
+    after = [o["exit_epoch"] - max(o["step_end_ms"].values()) / 1e3 for o in ours if o["step_end_ms"]]
     o_step = H.summary([s for ss in step_ms for s in ss])["median"]
     p_step = H.summary([s for x in peers for s in x["step_s"][1:]])["median"]
     rows = [H.row(
         "learning_per_minute", f"learning per minute, embedded default, {steps} steps, whole command",
         ours=ours_rate, peer=peer_rate, unit="acc-pts/min", lower_is_better=False, target=TARGET_RATIO,
         target_text=f"≥ {TARGET_RATIO}× (stapoctl/TRL)", peer_label="TRL GRPOTrainer", checks=checks,
-        notes=(f"whole command {H.fmt(o_wall, 's')} vs {H.fmt(p_wall, 's')} (time ratio "
+        notes=(f"ratio of the best runs {best or float('nan'):.2f}×; "
+               f"whole command {H.fmt(o_wall, 's')} vs {H.fmt(p_wall, 's')} (time ratio "
                f"{(p_wall / o_wall) if o_wall else float('nan'):.2f}×); steady step {H.fmt(o_step, 's')} vs "
-               f"{H.fmt(p_step, 's')}; accuracy gain per minute in points of held-out toy accuracy (T=1.0, "
+               f"{H.fmt(p_step, 's')}; stapoctl outside the steps: start → step 1 logged "
+               f"{H.fmt(H.summary(before)['median'], 's')} (step 1 incl.), last step → exit "
+               f"{H.fmt(H.summary(after)['median'], 's')}; accuracy gain per minute in points of held-out toy accuracy (T=1.0, "
                f"4 samples × {conf.data.toy.num_heldout} problems); no periodic validation, one final save "
                f"on both sides; stapoctl loss={conf.loss.name}, TRL loss_type=dapo."),
         extra={"accuracy": acc, "ours_wall_s": [o["wall_s"] for o in ours],
-               "peer_whole_s": [x["whole_s"] for x in peers]},
+               "peer_whole_s": [x["whole_s"] for x in peers], "load": load.seen},
     )]
     rows.append(H.row(
         "engines_up", "engines up (Ray + vLLM actor + DeepSpeed learner), embedded default",
@@ -141,15 +149,10 @@ def main(argv=None) -> int:
                "→ trainer built (imports + model load), for reference."),
     ))
     H.print_rows(rows, console, title=f"learning ({time.perf_counter() - t0:.0f} s)")
-    if not a.quick:
-        path = H.save("learning", rows, config={"steps": steps, "repeats": repeats}, seconds=time.perf_counter() - t0,
-                      env=env, out_dir=Path(a.out),
-                      extra={"raw": {"ours": [{k: v for k, v in o.items() if k != "metrics"} for o in ours],
-                                     "ours_metrics": [o["metrics"] for o in ours],
-                                     "peer": peers, "accuracy": acc}})
-        console.print(f"results: {path}")
-        if a.write_docs:
-            H.write_docs(Path(a.out))
+    H.publish("learning", rows, a, console, config={"steps": steps, "repeats": repeats},
+              seconds=time.perf_counter() - t0, env=env,
+              extra={"raw": {"ours": [{k: v for k, v in o.items() if k != "metrics"} for o in ours],
+                             "ours_metrics": [o["metrics"] for o in ours], "peer": peers, "accuracy": acc}})
     return 0
 
 

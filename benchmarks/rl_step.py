@@ -56,8 +56,11 @@ def measure(size: str, repeats: int, console) -> tuple[list[dict], dict]:
     rows_per_step = int(conf.data.train_batch_size) * int(conf.rollout.n)
     steps = repeats + 1
 
+    load = H.LoadWatch()
     console.print(f"[bold]{size}[/]: stapoctl train, {steps} steps (step 1 = warm-up) …")
+    load.mark("ours")
     ours = _ours.train(overrides, steps)
+    load.mark("ours")
     m = ours["metrics"]
     measured = [s for s in range(2, steps + 1)]
     ours_step = _ours.step_seconds({int(k): v for k, v in ours["step_end_ms"].items()})
@@ -66,7 +69,9 @@ def measure(size: str, repeats: int, console) -> tuple[list[dict], dict]:
     ours_tps = [t / g for t, g in zip(ours_tokens, ours_gen)]
 
     console.print(f"[bold]{size}[/]: TRL GRPOTrainer, {steps} steps …")
+    load.mark("peer")
     peer = _peers.run("trl", {"overrides": overrides, "model_dir": mdir, "steps": steps, "loss_check": True})
+    load.mark("peer")
     peer_step = peer["step_s"][1:]
     peer_tokens = peer["gen_tokens"][1:]
     peer_tps = [t / g for t, g in zip(peer_tokens, peer["gen_s"][1:])]
@@ -106,9 +111,11 @@ def measure(size: str, repeats: int, console) -> tuple[list[dict], dict]:
         f"full_step_{size}", f"full RL step, {label}", ours=ours_step, peer=peer_step, unit="s",
         lower_is_better=True, target=TARGETS["full_step"].get(size),
         target_text=f"≥ {TARGETS['full_step'][size]}× (TRL/stapoctl)", peer_label="TRL GRPOTrainer",
-        checks=[tokens_check, loss_check, dtype_check],
-        notes=f"{split}. {structure}; TRL threads {peer['torch_threads']}, optim {peer['optim']}.",
-        extra={"ours_phases_s": phases, "peer_phases_s": peer_phases, "engines": ours.get("engines", {})},
+        checks=[tokens_check, loss_check, dtype_check, load.check()],
+        notes=(f"ratio of the best steps {H.min_ratio(ours_step, peer_step, True) or float('nan'):.2f}×. {split}. "
+               f"{structure}; TRL threads {peer['torch_threads']}, optim {peer['optim']}."),
+        extra={"ours_phases_s": phases, "peer_phases_s": peer_phases, "engines": ours.get("engines", {}),
+               "load": load.seen},
     )]
     t_rollout = TARGETS["rollout_tokens"].get(size)
     rows.append(H.row(
@@ -119,8 +126,9 @@ def measure(size: str, repeats: int, console) -> tuple[list[dict], dict]:
         checks=[H.check("tokens", H.within(tok_o, tok_p, TOKENS_TOL),
                         f"tokens/call {H.fmt(tok_o)} vs {H.fmt(tok_p)}"),
                 H.check("sampling", True, f"T={conf.rollout.temperature} top_p={conf.rollout.top_p} top_k off, "
-                                          f"≤{conf.rollout.max_response_length} new"), dtype_check],
-        notes=f"{conf.data.train_batch_size} prompts × {conf.rollout.n}; stapoctl: timing_s/gen (Ray call + "
+                                          f"≤{conf.rollout.max_response_length} new"), dtype_check, load.check()],
+        notes=f"ratio of the best calls {H.min_ratio(ours_tps, peer_tps, False) or float('nan'):.2f}×; "
+              f"{conf.data.train_batch_size} prompts × {conf.rollout.n}; stapoctl: timing_s/gen (Ray call + "
               f"RolloutBatch packing included, vLLM actor on 1 CPU); transformers: TRL's generate call "
               f"({peer['torch_threads']} threads).",
     ))
@@ -170,12 +178,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     H.base_args(p)
     p.add_argument("--sizes", default="tiny,25m", help="comma list of tiny, 25m (default both)")
-    p.add_argument("--write-docs", action="store_true", help="rewrite the table in docs/PERFORMANCE.md")
     a = p.parse_args(argv)
     console = Console()
-    missing = H.need_trl()
-    if missing:
-        console.print(f"[red]error:[/] {missing}")
+    if H.trl_missing(console):
         return 2
     sizes = ["tiny"] if a.quick else [s.strip() for s in a.sizes.split(",") if s.strip()]
     repeats = 2 if a.quick else a.repeats
@@ -190,14 +195,12 @@ def main(argv=None) -> int:
         t1 = time.perf_counter()
         r, raw = measure(size, repeats, console)
         rows += r
-        if not a.quick:  # one results file per size, so `--sizes tiny` leaves the 25m results alone
-            raw["ours"].pop("params", None)
-            path = H.save(f"rl_step_{size}", r, config={"size": size, "repeats": repeats, "overrides": BASE_OVERRIDES},
-                          seconds=time.perf_counter() - t1, env=env, out_dir=Path(a.out), extra={"raw": raw})
-            console.print(f"results: {path}")
+        raw["ours"].pop("params", None)
+        # one results file per size, so `--sizes tiny` leaves the 25m results alone
+        H.publish(f"rl_step_{size}", r, a, console, config={"size": size, "repeats": repeats,
+                                                            "overrides": BASE_OVERRIDES},
+                  seconds=time.perf_counter() - t1, env=env, extra={"raw": raw})
     H.print_rows(rows, console, title=f"rl_step ({time.perf_counter() - t0:.0f} s)")
-    if a.write_docs and not a.quick:
-        H.write_docs(Path(a.out))
     return 0
 
 

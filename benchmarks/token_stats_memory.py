@@ -210,14 +210,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             for _ in range(max(1, a.repeats))]
     print(json.dumps(runs[-1], indent=2)) if a.json else _print(runs[-1])
     if not a.json:
-        _bench_row(runs, seconds=time.perf_counter() - t0, out=a.out, save=not a.quick, write_docs=a.write_docs)
+        _bench_row(runs, a, seconds=time.perf_counter() - t0)
     return 0
 
 
-def _bench_row(runs: list[dict[str, Any]], *, seconds: float, out: Optional[str], save: bool, write_docs: bool) -> None:
+def _bench_row(runs: list[dict[str, Any]], args: argparse.Namespace, *, seconds: float) -> None:
     """The `stapoctl bench` row: chunked peak as a multiple of one logits tensor (target <= 1.3)."""
-    from pathlib import Path
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _harness as H
 
@@ -238,13 +236,14 @@ def _bench_row(runs: list[dict[str, Any]], *, seconds: float, out: Optional[str]
                f"{H.summary([r.get('naive_over_chunked') for r in runs])['median'] or float('nan'):.1f}x "
                f"the chunked peak; {first['measure']}."),
     )
-    H.print_rows([row])
-    if save:
-        path = H.save("token_stats_memory", [row], config={k: first[k] for k in ("tokens", "vocab", "dtype", "chunk_size")},
-                      seconds=seconds, out_dir=Path(out) if out else H.RESULTS, extra={"runs": runs})
-        print(f"results: {path}")
-        if write_docs:
-            H.write_docs(Path(out) if out else H.RESULTS)
+    from rich.console import Console
+
+    console = Console()
+    H.print_rows([row], console)
+    args.out = args.out or str(H.RESULTS)
+    H.publish("token_stats_memory", [row], args, console,
+              config={k: first[k] for k in ("tokens", "vocab", "dtype", "chunk_size")}, seconds=seconds,
+              env=H.environment(), extra={"runs": runs})
 
 
 if __name__ == "__main__":
