@@ -1,6 +1,6 @@
 """Peak extra memory of chunked token_stats vs the naive log_softmax + entropy, side by side.
 
-    python benchmarks/token_stats_memory.py [--tokens 1024] [--vocab 151936] [--dtype bfloat16]
+    stapoctl bench token_stats_memory [--repeats 5] [--tokens 1024] [--vocab 151936] [--dtype bfloat16]
 
 Each variant runs forward + backward (gradient of sum(log_prob) w.r.t. the logits, the way the
 learner uses it) on a [1, N, V] logits tensor that already exists; "extra" is the peak memory
@@ -10,7 +10,8 @@ above that point, reported as a multiple of one [B, T, V] logits tensor in the m
 CUDA: ``torch.cuda.max_memory_allocated`` in-process. CPU: each variant runs in its own
 subprocess and the peak is ``ru_maxrss`` minus the resident size measured just before the
 call (torch's CPU allocator is invisible to tracemalloc). ``run(...)`` returns the numbers as a
-dict for ``stapoctl bench``.
+dict; ``--repeats N`` measures each variant N times (a fresh subprocess each) and writes the
+row to benchmarks/results/token_stats_memory.json.
 """
 
 from __future__ import annotations
@@ -192,15 +193,57 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--device", default=None)
     p.add_argument("--json", action="store_true", help="print the dict as JSON")
+    p.add_argument("--repeats", type=int, default=5, help="measurements per variant (default 5)")
+    p.add_argument("--quick", action="store_true", help="one measurement per variant; nothing saved")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--write-docs", action="store_true", help="rewrite the table in docs/PERFORMANCE.md")
     a = p.parse_args(argv)
     if a.worker:
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
         print(json.dumps(_measure_cpu_worker(*json.loads(a.worker))))
         return 0
-    summary = run(tokens=a.tokens, vocab=a.vocab, dtype=a.dtype, chunk_size=a.chunk_size, hidden_size=a.hidden_size,
-                  variants=tuple(a.variants.split(",")) if a.variants else None, device=a.device)
-    print(json.dumps(summary, indent=2)) if a.json else _print(summary)
+    if a.quick:
+        a.repeats = 1
+    t0 = time.perf_counter()
+    runs = [run(tokens=a.tokens, vocab=a.vocab, dtype=a.dtype, chunk_size=a.chunk_size, hidden_size=a.hidden_size,
+                variants=tuple(a.variants.split(",")) if a.variants else None, device=a.device)
+            for _ in range(max(1, a.repeats))]
+    print(json.dumps(runs[-1], indent=2)) if a.json else _print(runs[-1])
+    if not a.json:
+        _bench_row(runs, a, seconds=time.perf_counter() - t0)
     return 0
+
+
+def _bench_row(runs: list[dict[str, Any]], args: argparse.Namespace, *, seconds: float) -> None:
+    """The `stapoctl bench` row: chunked peak as a multiple of one logits tensor (target <= 1.3)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _harness as H
+
+    first = runs[0]
+    mib = 1 << 20
+    peaks = {v: [r["variants"][v]["peak_extra_bytes"] / mib for r in runs if v in r["variants"]]
+             for v in first["variants"]}
+    ratios = [r["variants"]["chunked"]["ratio_to_logits"] for r in runs if "chunked" in r["variants"]]
+    ratio = H.summary(ratios)["median"]
+    row = H.row(
+        "token_stats_memory", f"log-prob + entropy over vocab {first['vocab']:,}: peak extra memory",
+        ours=peaks.get("chunked"), peer=peaks.get("naive"), unit="MiB", lower_is_better=True, ratio=ratio,
+        target=TARGET, target_max=True, target_text=f"≤ {TARGET}× the logits tensor",
+        ours_label="chunked token_stats", peer_label="naive log_softmax + entropy",
+        checks=[H.check("shape", True, f"[1, {first['tokens']}, {first['vocab']}] {first['dtype']} logits "
+                                       f"({first['logits_bytes'] / mib:.0f} MiB) both, forward + backward")],
+        notes=(f"ratio = chunked peak / one logits tensor (median of {len(ratios)}); naive needs "
+               f"{H.summary([r.get('naive_over_chunked') for r in runs])['median'] or float('nan'):.1f}x "
+               f"the chunked peak; {first['measure']}."),
+    )
+    from rich.console import Console
+
+    console = Console()
+    H.print_rows([row], console)
+    args.out = args.out or str(H.RESULTS)
+    H.publish("token_stats_memory", [row], args, console,
+              config={k: first[k] for k in ("tokens", "vocab", "dtype", "chunk_size")}, seconds=seconds,
+              env=H.environment(), extra={"runs": runs})
 
 
 if __name__ == "__main__":

@@ -192,25 +192,31 @@ def is_loopback(host: str) -> bool:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(
     ctx: typer.Context,
-    name: str = typer.Argument("all", help="A script in benchmarks/ (e.g. token_stats_memory), or all"),
+    name: str = typer.Argument("all", help="A script in benchmarks/ (rl_step, learning, loss_overhead, "
+                                           "token_stats_memory), all, or docs (rewrite the docs table only)"),
 ) -> None:
-    """Side-by-side benchmarks from benchmarks/ (ratios measured in one run, not absolute timings).
+    """Side-by-side benchmarks (stapoctl vs TRL / transformers / torch, measured in one run).
 
-    Extra options are passed to the script, e.g. `stapoctl bench token_stats_memory --tokens 2048`.
+    Common options: --repeats N, --quick (smoke run, nothing saved), --write-docs (one script);
+    `all` runs every script, saves benchmarks/results/*.json and rewrites docs/PERFORMANCE.md.
+    Script options pass through, e.g. `stapoctl bench rl_step --sizes tiny`. Timings are only
+    comparable on a quiet machine: run under `heavy --exclusive` here.
     """
     import subprocess
 
     from stapoctl.paths import project_root
 
-    scripts = {p.stem: p for p in sorted((project_root() / "benchmarks").glob("*.py"))}
-    chosen = list(scripts) if name == "all" else [name.removesuffix(".py")]
-    for stem in chosen:
-        if stem not in scripts:
-            fail(f"no benchmark '{stem}' in benchmarks/ (have: {', '.join(scripts) or 'none'})")
-        console.rule(f"[bold]bench {stem}")
-        rc = subprocess.call([sys.executable, str(scripts[stem]), *ctx.args])
-        if rc:
-            raise typer.Exit(rc)
+    root = project_root() / "benchmarks"
+    scripts = {p.stem: p for p in sorted(root.glob("*.py")) if not p.stem.startswith("_")}
+    stem = name.removesuffix(".py")
+    if stem in ("all", "docs"):
+        raise typer.Exit(subprocess.call([sys.executable, str(root / "_suite.py"), stem, *ctx.args]))
+    if stem not in scripts:
+        fail(f"no benchmark '{stem}' in benchmarks/ (have: {', '.join(scripts) or 'none'}; or all, docs)")
+    console.rule(f"[bold]bench {stem}")
+    rc = subprocess.call([sys.executable, str(scripts[stem]), *ctx.args])
+    if rc:
+        raise typer.Exit(rc)
 
 
 @app.command()

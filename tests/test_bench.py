@@ -1,0 +1,108 @@
+"""The benchmark harness's bookkeeping (no engines, no timing): statistics, verdicts, the docs
+table, and the stapoctl → TRL config mapping the RL rows rely on for equal work."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import _harness as H  # noqa: E402
+import _ours  # noqa: E402
+import _peers  # noqa: E402
+
+
+def test_summary_median_min_max_ignores_missing():
+    s = H.summary([3.0, 1.0, None, float("nan"), 2.0, 10.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.5, 1.0, 10.0, 4)
+    assert H.summary([])["n"] == 0 and H.summary([])["median"] is None
+
+
+def test_ratio_orientation_and_verdicts():
+    # costs: ratio = peer / ours, > 1 means stapoctl faster
+    fast = H.row("k", "t", ours=[1.0, 1.0, 1.2], peer=[2.0, 2.0, 2.0], unit="s", lower_is_better=True,
+                 target=1.5, target_text="")
+    assert fast["ratio"] == pytest.approx(2.0) and fast["verdict"] == "PASS"
+    slow = H.row("k", "t", ours=[4.0], peer=[2.0], unit="s", lower_is_better=True, target=1.5, target_text="")
+    assert slow["ratio"] == pytest.approx(0.5) and slow["verdict"] == "MISS"
+    # rates: ratio = ours / peer
+    rate = H.row("k", "t", ours=[300.0], peer=[100.0], unit="tok/s", lower_is_better=False, target=1.5,
+                 target_text="")
+    assert rate["ratio"] == pytest.approx(3.0) and rate["verdict"] == "PASS"
+    # ceilings (overhead, memory): explicit ratio, target_max
+    ceil = H.row("k", "t", ours=[1.1], peer=[1.0], unit="s", lower_is_better=True, ratio=1.1, target=1.03,
+                 target_max=True, target_text="")
+    assert ceil["verdict"] == "MISS"
+    # absolute bound on stapoctl's own median
+    up = H.row("k", "t", ours=[12.0, 14.0, 30.0], peer=[5.0], unit="s", lower_is_better=True, target=15.0,
+               absolute=True, target_text="")
+    assert up["ratio"] is None and up["verdict"] == "PASS"
+
+
+def test_a_ratio_with_failed_same_work_check_is_invalid_not_pass():
+    r = H.row("k", "t", ours=[1.0], peer=[2.0], unit="s", lower_is_better=True, target=1.3, target_text="",
+              checks=[H.check("tokens", False, "gen tokens/step 100 vs 1000")])
+    assert r["verdict"] == "INVALID"
+    assert H.within(100, 104, 0.05) and not H.within(100, 1000, 0.15) and H.within(None, 1, 0.1) is None
+
+
+def test_docs_table_is_rewritten_between_markers(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [H.row("full_step_tiny", "full RL step, tiny | 0.46M", ours=[0.5, 0.6, 0.4], peer=[0.8], unit="s",
+                  lower_is_better=True, target=1.3, target_text="≥ 1.3×", peer_label="TRL",
+                  checks=[H.check("dtype", True, "fp32 both")], notes="a | note")]
+    H.save("rl_step_tiny", rows, config={}, seconds=1.0, env={"date": "2026-01-01 00:00:00", "commit": "abc"},
+           out_dir=results)
+    docs = tmp_path / "PERFORMANCE.md"
+    docs.write_text("# Performance\n\nintro\n\n" + H.TABLE_BEGIN + "\nold\n" + H.TABLE_END + "\n\n## Profile\nkept\n")
+    H.write_docs(results, docs)
+    text = docs.read_text()
+    assert "old" not in text and "intro" in text and "## Profile\nkept" in text
+    assert "0.50 s [0.40–0.60] n=3" in text and "**PASS**" in text and "- *full RL step" in text
+    assert "full RL step, tiny \\| 0.46M |" in text  # a pipe inside a cell must not split the markdown row
+    H.write_docs(results, docs)
+    assert docs.read_text() == text  # idempotent
+    fresh = tmp_path / "NEW.md"
+    H.write_docs(results, fresh)
+    assert H.TABLE_BEGIN in fresh.read_text()
+    assert json.loads((results / "rl_step_tiny.json").read_text())["rows"][0]["key"] == "full_step_tiny"
+
+
+def test_step_seconds_are_intervals_after_the_warm_up_step():
+    ends = {1: 10_000, 2: 10_800, 3: 11_500, 4: 12_400}
+    assert _ours.step_seconds(ends) == pytest.approx([0.8, 0.7, 0.9])
+    assert _ours.step_seconds(ends, skip=2) == pytest.approx([0.7, 0.9])
+
+
+@pytest.mark.parametrize(
+    "overrides, expect",
+    [
+        # the embedded default: one mini-batch of 8 prompts x 8 = 64 rows, one micro-batch
+        ([], dict(per_device_train_batch_size=64, gradient_accumulation_steps=1, steps_per_generation=1,
+                  num_iterations=1, optimizer_steps_per_rollout=1)),
+        # 4 mini-batches of 2 prompts (16 rows), micro-batches of 8 rows, 2 epochs
+        (["learner.ppo_mini_batch_size=2", "learner.micro_batch_size=8", "learner.ppo_epochs=2"],
+         dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=8,
+              num_iterations=2, optimizer_steps_per_rollout=8)),
+    ],
+)
+def test_trl_follows_stapoctls_batch_structure(overrides, expect):
+    assert _peers.trl_structure(_peers.compose(overrides)) == expect
+
+
+def test_trl_config_matches_the_stapoctl_config_it_is_compared_with(tmp_path):
+    pytest.importorskip("trl")
+    conf = _peers.compose(["loss=dapo", "learner.ppo_mini_batch_size=2", "learner.micro_batch_size=8"])
+    args = _peers.trl_args(conf, rl_steps=6, output_dir=str(tmp_path))
+    assert (args.bf16, args.fp16, args.use_cpu, args.beta) == (False, False, True, 0.0)
+    assert args.loss_type == "dapo" and args.epsilon == 0.2 and args.epsilon_high == 0.28
+    assert args.learning_rate == conf.learner.lr and args.num_generations == conf.rollout.n
+    assert args.max_completion_length == conf.rollout.max_response_length and args.top_k == 0
+    assert args.generation_batch_size == conf.data.train_batch_size * conf.rollout.n
+    assert args.max_steps == 6 * 4 and not args.shuffle_dataset
+    assert getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type) == "constant"
