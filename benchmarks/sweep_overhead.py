@@ -13,7 +13,6 @@ The first trial starts the engines, so it is reported but not counted in the reu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import tempfile

@@ -29,9 +29,6 @@ class Trial:
     tags: dict = field(hash=False)
     overrides: tuple[str, ...] = ()
 
-    def label(self) -> str:
-        return self.run_name
-
 
 def quote(text: str) -> str:
     """A Hydra-quoted string value: survives '=', ',', spaces and brackets."""

@@ -180,17 +180,16 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
                 except KeyboardInterrupt:
                     stop_reason = f"interrupted ({received[0] if received else 'SIGINT'}) during trial {trial.index + 1}"
                     with _signals_deferred():
-                        child = store.newest_child(sweep_id, trial.index, uri, since)
-                        if child is not None:
-                            store.end_child(child.info.run_id, uri, "KILLED", stop_reason)
+                        child_id = _attempt_run(sweep_id, trial, records, resume, uri, since)
+                        if child_id is not None:
+                            store.end_child(child_id, uri, "KILLED", stop_reason)
                         store.end_parent(sweep_id, uri, "KILLED", stop_reason)
                     raise
                 except Exception as exc:  # the trial failed: record it, go on with fresh engines
                     error = store.one_line(exc)
-                    child = store.newest_child(sweep_id, trial.index, uri, since)
-                    if child is not None:
-                        store.end_child(child.info.run_id, uri, "FAILED", error)
-                        child_id = child.info.run_id
+                    child_id = _attempt_run(sweep_id, trial, records, resume, uri, since)
+                    if child_id is not None:
+                        store.end_child(child_id, uri, "FAILED", error)
                     else:
                         child_id = store.record_failed_trial(sweep_id, trial, experiment, uri, error)
                     outcomes[trial.index] = Outcome(trial, "FAILED", child_id, wall_s=time.perf_counter() - t0)
@@ -213,6 +212,16 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
             store.end_parent(sweep_id, uri, "FAILED", store.one_line(exc))
         raise
     return _finish(definition, sweep_id, trials, outcomes, uri, console)
+
+
+def _attempt_run(sweep_id: str, trial: Trial, records: dict, resume: Optional[str], uri: Optional[str],
+                 since: float) -> Optional[str]:
+    """The run this attempt wrote to: the continued child when it resumed from a checkpoint,
+    else the child it created (None when it failed before creating one)."""
+    if resume:
+        return records[trial.index].run.info.run_id
+    child = store.newest_child(sweep_id, trial.index, uri, since)
+    return child.info.run_id if child is not None else None
 
 
 def _record_success(trial: Trial, summary: dict, session, sweep_id: str, uri: Optional[str], since: float,
