@@ -16,6 +16,7 @@ SWEEP_NAME = "stapoctl.sweep_name"  # tau_p | tau_h | ablation | baselines | …
 SWEEP_VALUE = "stapoctl.sweep_value"  # the swept value as written in the definition
 SEED = "stapoctl.seed"
 TRIAL = "stapoctl.trial"  # 0-based index in the plan (value-major, then seed)
+ENGINES_REUSED = "stapoctl.engines_reused"  # child: "true" when it ran on a previous trial's engines
 ERROR = "stapoctl.error"  # one-line reason on a FAILED / KILLED child (and on a FAILED parent)
 # parent only: who runs it, so a resume can tell a dead sweep from a live one
 HOST = "stapoctl.sweep_host"

@@ -229,7 +229,7 @@ def _record_success(trial: Trial, summary: dict, session, sweep_id: str, uri: Op
     """Timing metrics on the child and the parent; FINISHED only with last-step validation."""
     run_id = summary["run_id"]
     reused = bool(session.engines is not None and session.engines.info.get("reused"))
-    store.client(uri).set_tag(run_id, "stapoctl.engines_reused", str(reused).lower())
+    store.client(uri).set_tag(run_id, layout.ENGINES_REUSED, str(reused).lower())
     timing = store.log_trial_timing(sweep_id, run_id, trial.index, uri, since, wall)
     ok = store.trial_finished(store.client(uri).get_run(run_id), uri)
     if not ok:
