@@ -90,11 +90,19 @@ def eval_cmd(
 
 @app.command()
 def sweep(
-    name: str = typer.Argument(..., help="A sweep in sweeps/: tau_p, tau_h, ablations, ..."),
-    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    name: str = typer.Argument(..., help="A sweep in sweeps/: tau_p, tau_h, ablation, baselines"),
+    overrides: Optional[List[str]] = typer.Argument(
+        None, help="values=[...] seeds=[...] resume=SWEEP_ID, and Hydra overrides for every trial, "
+        "e.g. experiment=stapo_qwen3_1.7b trainer.total_steps=200"
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the trials and their overrides; start nothing."),
 ) -> None:
-    """Run a family of runs (MLflow parent run with one child per value and seed)."""
-    not_implemented("sweep")
+    """Run a family of runs: an MLflow parent run with one child `train` run per value and seed."""
+    from stapoctl.sweep.runner import sweep_command
+
+    code = sweep_command(name, list(overrides or []), console, dry_run=dry_run)
+    if code:
+        raise typer.Exit(code)
 
 
 @data_app.command("prep")

@@ -124,7 +124,7 @@ def test_bad_input_is_one_line_naming_the_key_and_the_fix(override, expected):
     assert lines[0].startswith("error:") and expected in lines[0]
 
 
-@pytest.mark.parametrize("command", [["sweep", "tau_p"], ["submit"]])
+@pytest.mark.parametrize("command", [["submit"]])
 def test_unimplemented_commands_say_so(command):
     res = run_cli(*command)
     assert res.returncode == 2

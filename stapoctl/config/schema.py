@@ -192,6 +192,9 @@ class TrackingConfig:
     log_artifacts: bool = True
     # nest this run under another (a sweep's parent run): MLflow tag mlflow.parentRunId
     parent_run_id: Optional[str] = None
+    # extra MLflow tags on the run: +tracking.tags.team=rl; dotted names as a dict, as a sweep tags
+    # its trials: ++tracking.tags={stapoctl.trial:'1'}
+    tags: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

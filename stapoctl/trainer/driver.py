@@ -374,7 +374,8 @@ def train(conf: DictConfig, console: Optional[Console] = None, session: Any = No
         sampler.load_state_dict(state["sampler"])
         checkpoint.set_rng_state(state.get("rng", {}))
 
-    tags = {"stapoctl.kind": "train", "stapoctl.experiment": str(conf.experiment), "stapoctl.loss": str(conf.loss.name)}
+    tags = {"stapoctl.kind": "train", "stapoctl.experiment": str(conf.experiment), "stapoctl.loss": str(conf.loss.name),
+            **{str(k): str(v) for k, v in (conf.tracking.get("tags") or {}).items()}}
     run_name = conf.tracking.run_name or f"{conf.experiment}-{conf.loss.name}-seed{conf.trainer.seed}"
     with mlflow_run.start_run(uri=conf.tracking.uri, experiment=conf.tracking.experiment, run_name=run_name,
                               run_id=state.get("mlflow_run_id"), tags=tags,

@@ -1,0 +1,225 @@
+"""Sweep definitions (`sweeps/NAME.yaml`) and the `stapoctl sweep NAME key=value …` command line.
+
+A definition names an experiment, one swept Hydra key with its values, and seeds:
+
+    experiment: tiny          # default tiny
+    key: loss.tau_p           # `loss` sweeps methods (loss=grpo, loss=stapo, …)
+    values: [2e-3, 2e-2, 2e-1]
+    seeds: [0, 1, 2]          # default [0, 1, 2]; each sets trainer.seed
+    overrides: []             # optional Hydra overrides for every trial
+
+Values are kept as written (`2e-3`, not 0.002): they become the trial's Hydra override, its
+tag and its run name, so what the user typed is what the MLflow UI shows.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from stapoctl import paths
+from stapoctl.errors import UserError
+
+FILE_FIELDS = ("experiment", "key", "values", "seeds", "overrides", "description")
+# key=value words of the command line that belong to the sweep, not to Hydra
+OPTIONS = ("values", "seeds", "resume", "force")
+# what the sweep itself sets in every trial: the command line may not set them too
+SEED_KEY = "trainer.seed"
+OWNED_KEYS = (SEED_KEY, "tracking.parent_run_id", "tracking.run_name", "tracking.tags", "resume")
+# top-level config names a bare `word=` may mean (so `valuse=` is caught as a sweep typo)
+_CONFIG_ROOTS = ("experiment", "resume", "model", "data", "loss", "rollout", "learner", "reward", "eval",
+                 "tracking", "cluster", "trainer")
+
+
+def sweeps_dir() -> Path:
+    """Sweep files; STAPOCTL_SWEEPS lets a user keep their own elsewhere."""
+    return Path(os.environ.get("STAPOCTL_SWEEPS") or paths.project_root() / "sweeps")
+
+
+def available_sweeps() -> list[str]:
+    root = sweeps_dir()
+    return sorted(p.stem for p in root.glob("*.yaml")) if root.is_dir() else []
+
+
+@dataclass(frozen=True)
+class SweepDefinition:
+    """What one sweep runs: every (value, seed) of `key`, with `overrides` on top of `experiment`."""
+
+    name: str
+    key: str
+    values: tuple[str, ...]
+    experiment: str = "tiny"
+    seeds: tuple[int, ...] = (0, 1, 2)
+    overrides: tuple[str, ...] = ()
+    description: str = ""
+
+    def to_yaml(self) -> str:
+        """The resolved definition (the parent run's `sweep.yaml`); `from_yaml` reads it back."""
+        d = asdict(self)
+        d["values"], d["seeds"], d["overrides"] = list(self.values), list(self.seeds), list(self.overrides)
+        return yaml.safe_dump(d, sort_keys=False, default_flow_style=None, width=1000)
+
+    @classmethod
+    def from_yaml(cls, text: str, name: str, where: str) -> "SweepDefinition":
+        return _from_mapping(_load_yaml(text, where), name, where)
+
+
+@dataclass(frozen=True)
+class SweepCommand:
+    """A parsed `stapoctl sweep` command line."""
+
+    definition: SweepDefinition
+    resume: Optional[str] = None
+    force: bool = False
+    # which parts the command line set (a resume checks them against the recorded sweep)
+    given: frozenset = field(default_factory=frozenset)
+    cli_overrides: tuple[str, ...] = ()
+
+
+def load_definition(name: str) -> SweepDefinition:
+    """`sweeps/<name>.yaml`, checked field by field."""
+    path = sweeps_dir() / f"{name.removesuffix('.yaml')}.yaml"
+    if not path.is_file():
+        have = available_sweeps()
+        near = difflib.get_close_matches(name, have, n=1, cutoff=0.5)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        raise UserError(f"no sweep '{name}' in {sweeps_dir()}{hint} (available: {', '.join(have) or 'none'})")
+    return SweepDefinition.from_yaml(path.read_text(), path.stem, str(path))
+
+
+def parse_command(name: str, args: list[str]) -> SweepCommand:
+    """`values=[…]`, `seeds=[…]`, `resume=ID`, `force=true` are the sweep's; `experiment=` replaces
+    the file's experiment; every other word is a Hydra override applied to every trial."""
+    definition = load_definition(name)
+    given: set[str] = set()
+    resume: Optional[str] = None
+    force = False
+    cli: list[str] = []
+    for item in args:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"argument '{item}' has no '=': write key=value, e.g. values=[2e-3,2e-2] or loss.lr=1e-6")
+        bare = key.lstrip("+~")
+        if key == "values":
+            definition = replace(definition, values=_values(value, "values"))
+        elif key == "seeds":
+            definition = replace(definition, seeds=_seeds(value, "seeds"))
+        elif key == "resume":
+            resume = value.strip() or None
+            if resume is None:
+                raise UserError("resume= needs the sweep id (the parent run id, or a unique prefix of it)")
+            continue
+        elif key == "force":
+            force = _bool(value, "force")
+            continue
+        elif key == "experiment":
+            definition = replace(definition, experiment=value)
+        else:
+            _check_override(bare, definition)
+            cli.append(item)
+            given.add("overrides")
+            continue
+        given.add(key)
+    if cli:
+        definition = replace(definition, overrides=definition.overrides + tuple(cli))
+    return SweepCommand(definition, resume, force, frozenset(given), tuple(cli))
+
+
+def override_key(item: str) -> str:
+    return item.partition("=")[0].lstrip("+~")
+
+
+def _check_override(bare: str, definition: SweepDefinition) -> None:
+    if "." not in bare and bare not in _CONFIG_ROOTS:
+        near = difflib.get_close_matches(bare, OPTIONS, n=1, cutoff=0.6)
+        if near:
+            raise UserError(f"unknown sweep option '{bare}'; did you mean '{near[0]}'? "
+                            f"(sweep options: {', '.join(OPTIONS)}; anything else is a Hydra override)")
+    if bare == definition.key:
+        raise UserError(f"{bare} is the key sweep '{definition.name}' varies: give its values as "
+                        f"values=[…] instead of {bare}=…")
+    if bare in OWNED_KEYS:
+        what = {SEED_KEY: "seeds=[…] instead", "resume": "resume=SWEEP_ID for the sweep",
+                "tracking.tags": "+tracking.tags.NAME=VALUE to add a tag"}.get(bare, "no override of it")
+        raise UserError(f"{bare} is set by the sweep for each trial; use {what}")
+
+
+# -- parsing helpers -------------------------------------------------------------------------
+def _load_yaml(text: str, where: str) -> Any:
+    # BaseLoader keeps every scalar a string: values stay as written (YAML 1.1 reads 2e-3 as a
+    # string but 2.0e-3 as a float; here both stay what the user typed)
+    try:
+        return yaml.load(text, Loader=yaml.BaseLoader)
+    except yaml.YAMLError as exc:
+        raise UserError(f"{where}: not valid YAML ({str(exc).splitlines()[0]})") from None
+
+
+def _from_mapping(raw: Any, name: str, where: str) -> SweepDefinition:
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: expected a mapping with key:, values:, seeds: (see docs/SWEEPS.md)")
+    for k in raw:
+        if k not in FILE_FIELDS and k != "name":
+            near = difflib.get_close_matches(k, FILE_FIELDS, n=1, cutoff=0.5)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise UserError(f"{where}: unknown field '{k}'{hint} (fields: {', '.join(FILE_FIELDS)})")
+    if not isinstance(raw.get("key"), str) or not raw["key"].strip():
+        raise UserError(f"{where}: 'key' must name the swept Hydra key, e.g. key: loss.tau_p (or key: loss)")
+    if "values" not in raw:
+        raise UserError(f"{where}: 'values' is missing: list the values of {raw['key']}, e.g. values: [2e-3, 2e-2]")
+    overrides = raw.get("overrides") or []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
+        raise UserError(f"{where}: 'overrides' must be a list of key=value Hydra overrides")
+    return SweepDefinition(
+        name=str(raw.get("name") or name),
+        key=raw["key"].strip().lstrip("+~"),
+        values=_values(raw["values"], f"{where}: values"),
+        experiment=str(raw.get("experiment") or "tiny"),
+        seeds=_seeds(raw["seeds"], f"{where}: seeds") if "seeds" in raw else (0, 1, 2),
+        overrides=tuple(overrides),
+        description=str(raw.get("description") or ""),
+    )
+
+
+def _as_list(value: Any, what: str) -> list[str]:
+    if isinstance(value, str):
+        text = value.strip()
+        parsed = _load_yaml(text, what) if text.startswith("[") else [v for v in text.split(",")]
+        value = parsed
+    if not isinstance(value, list) or any(isinstance(v, (list, dict)) for v in value):
+        raise UserError(f"{what}: expected a flat list, e.g. [2e-3, 2e-2]")
+    return [str(v).strip() for v in value]
+
+
+def _values(value: Any, what: str) -> tuple[str, ...]:
+    items = _as_list(value, what)
+    if not items or any(not v for v in items):
+        raise UserError(f"{what}: give at least one non-empty value, e.g. values=[2e-3,2e-2]")
+    dup = next((v for i, v in enumerate(items) if v in items[:i]), None)
+    if dup is not None:
+        raise UserError(f"{what}: '{dup}' appears twice")
+    return tuple(items)
+
+
+def _seeds(value: Any, what: str) -> tuple[int, ...]:
+    items = _as_list(value, what)
+    try:
+        seeds = tuple(int(v) for v in items)
+    except ValueError:
+        raise UserError(f"{what}: expected integers, e.g. seeds=[0,1,2] (got {items})") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise UserError(f"{what}: give distinct integer seeds, e.g. seeds=[0,1,2]")
+    return seeds
+
+
+def _bool(value: str, what: str) -> bool:
+    v = value.strip().lower()
+    if v in ("true", "1", "yes"):
+        return True
+    if v in ("false", "0", "no"):
+        return False
+    raise UserError(f"{what}={value}: use true or false")

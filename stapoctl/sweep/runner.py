@@ -1,0 +1,334 @@
+"""`stapoctl sweep NAME`: run a sweep's trials one after another in this process.
+
+The trials share one `EngineSession`: Ray, the vLLM actors, the learner ranks and the
+verifier pool start once, and each later trial only resets the learner (base weights, fresh
+optimizer) and pushes the base weights to vLLM. A failed trial is marked FAILED, its engines
+are discarded (the trainer does that) and the next trial starts fresh ones. Ctrl-C or SIGTERM
+ends the current trial's run and the parent KILLED before the engines shut down, so no run
+is left RUNNING; `resume=SWEEP_ID` later runs only the trials that did not finish (a trial
+with a checkpoint continues from it, the others start a new child run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from stapoctl.errors import UserError
+from stapoctl.sweep import layout, store
+from stapoctl.sweep.definition import SweepCommand, SweepDefinition, override_key, parse_command
+from stapoctl.sweep.plan import Trial, check_plan, compose_trial, plan_trials
+
+# on a resume, overrides may add or change where and how the trials run, not what they compute
+RESUME_MAY_CHANGE = ("tracking.", "cluster.")
+
+
+def sweep_command(name: str, args: list[str], console: Console, dry_run: bool = False) -> int:
+    """The CLI's entry: parse, run; returns the exit code (0 all finished, 1 some failed)."""
+    return run_sweep(parse_command(name, args), console, dry_run=dry_run)
+
+
+def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False) -> int:
+    definition, extra = command.definition, ()
+    parent = None
+    if command.resume:
+        base = compose_trial(plan_trials(definition, "")[0])
+        uri, experiment = base.tracking.uri, str(base.tracking.experiment)
+        parent = store.find_parent(command.resume, uri, experiment)
+        definition, extra = reconcile(command, store.recorded_definition(parent, uri))
+    confs = check_plan(definition, extra)
+    first = next(iter(confs.values()))
+    if first.cluster.name == "slurm":  # the seam for `stapoctl.launch.submit.submit_trials` (job arrays)
+        raise UserError("cluster=slurm: `stapoctl sweep` runs trials here (cluster=local) or against a Ray cluster "
+                        "(cluster=ray cluster.address=…), one after another; SLURM job arrays of a sweep's trials "
+                        "go through `stapoctl submit`")
+    uri, experiment = first.tracking.uri, str(first.tracking.experiment)
+    if dry_run:
+        print_plan(definition, plan_trials(definition, parent.info.run_id if parent else "<sweep id>", extra), console)
+        return 0
+    if parent is not None:
+        _take_over(parent, uri, command.force, console)
+        sweep_id = parent.info.run_id
+        store.claim(sweep_id, uri)
+    else:
+        sweep_id = store.open_parent(definition, uri, experiment)
+    trials = plan_trials(definition, sweep_id, extra)
+    records = store.trial_records(sweep_id, len(trials), uri)
+    todo = [t for t in trials if not records[t.index].finished]
+    console.print(f"[bold]sweep {definition.name}[/] · id [bold]{sweep_id}[/] · {definition.key} ∈ "
+                  f"{{{', '.join(definition.values)}}} × seeds {list(definition.seeds)} = {len(trials)} trials"
+                  + (f" · {len(trials) - len(todo)} already finished, running {len(todo)}" if parent else "")
+                  + f" · MLflow {store._uri(uri)}", highlight=False)
+    return _run_trials(definition, sweep_id, trials, todo, records, uri, experiment, console)
+
+
+def reconcile(command: SweepCommand, recorded: SweepDefinition) -> tuple[SweepDefinition, tuple[str, ...]]:
+    """A resume runs the recorded definition. The command line may repeat it, and may add
+    tracking./cluster. overrides (where the trials run); anything else that differs is an error."""
+    given, d = command.given, command.definition
+    if d.name != recorded.name:
+        raise UserError(f"resume={command.resume}: that is sweep '{recorded.name}', not '{d.name}': "
+                        f"run `stapoctl sweep {recorded.name} resume={command.resume}`")
+    for what in ("values", "seeds", "experiment"):
+        if what in given and getattr(d, what) != getattr(recorded, what):
+            raise UserError(f"resume={command.resume}: {what} {_show(getattr(d, what))} differ from the sweep's "
+                            f"recorded {_show(getattr(recorded, what))}: drop {what}= (a resume runs the recorded "
+                            "sweep) or start a new sweep")
+    before = {override_key(o): o for o in recorded.overrides}
+    extra = []
+    for item in command.cli_overrides:
+        key = override_key(item)
+        if key in before:
+            if before[key].partition("=")[2] != item.partition("=")[2]:
+                raise UserError(f"resume={command.resume}: {item} differs from the sweep's recorded {before[key]}: "
+                                "drop it (a resume runs the recorded sweep) or start a new sweep")
+        elif key.startswith(RESUME_MAY_CHANGE):
+            extra.append(item)
+        else:
+            raise UserError(f"resume={command.resume}: {item} was not part of the sweep's trials; a resume may only "
+                            f"add {' / '.join(k + '*' for k in RESUME_MAY_CHANGE)} overrides: drop it or start a new sweep")
+    return recorded, tuple(extra)
+
+
+def _show(value) -> str:
+    return "[" + ", ".join(map(str, value)) + "]" if isinstance(value, tuple) else str(value)
+
+
+def _take_over(parent, uri: Optional[str], force: bool, console: Console) -> None:
+    """A sweep may be resumed when it ended, or when the process running it is gone."""
+    if parent.info.status == "RUNNING":
+        tags = parent.data.tags
+        where = f"pid {tags.get(layout.PID, '?')} on {tags.get(layout.HOST, '?')}"
+        alive = store.process_alive(parent)
+        if alive:
+            raise UserError(f"sweep {parent.info.run_id} is still running ({where}): wait for it, or stop it "
+                            f"(kill {tags.get(layout.PID)}) and resume then")
+        if alive is None and not force:
+            raise UserError(f"sweep {parent.info.run_id} is RUNNING in {where} and this host cannot check that "
+                            "process: resume it there, or add force=true if it is dead")
+        console.print(f"[yellow]sweep {parent.info.run_id[:8]} was left RUNNING by a process that is gone "
+                      f"({where}); taking it over[/]")
+    sweep_id = parent.info.run_id
+    for run in store.children(sweep_id, uri):
+        if run.info.status == "RUNNING":  # the dead sweep's trial: never leave it RUNNING
+            store.end_child(run.info.run_id, uri, "KILLED", "its sweep process died before the trial ended")
+
+
+def resume_point(record: store.TrialRecord) -> Optional[str]:
+    """The checkpoint an unfinished trial continues from (None: it starts a new child run)."""
+    from stapoctl.trainer.checkpoint import latest_step_dir, read_trainer_state
+
+    run = record.run
+    if run is None or record.finished or not run.data.tags.get("stapoctl.run_dir"):
+        return None
+    step_dir = latest_step_dir(Path(run.data.tags["stapoctl.run_dir"]))
+    if step_dir is None:
+        return None
+    total = int(run.data.params.get("trainer.total_steps", "0"))
+    return str(step_dir) if read_trainer_state(step_dir).get("step", 0) < total else None
+
+
+# -- the loop ----------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    """One trial as this invocation saw it (for the closing table)."""
+
+    trial: Trial
+    status: str
+    run_id: str = ""
+    val: Optional[float] = None
+    wall_s: Optional[float] = None
+    overhead_s: Optional[float] = None
+    engines: str = ""  # started | reused | (earlier invocation)
+
+    def row(self) -> list[str]:
+        def num(x: Optional[float]) -> str:
+            return f"{x:.1f}" if x is not None else "-"
+
+        return [str(self.trial.index + 1), self.trial.run_name, self.status, _pct(self.val), num(self.wall_s),
+                num(self.overhead_s), self.run_id, self.engines]
+
+
+def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial], todo: list[Trial],
+                records: dict, uri: Optional[str], experiment: str, console: Console) -> int:
+    from stapoctl.sweep.progress import SweepView
+    from stapoctl.trainer.driver import train
+    from stapoctl.trainer.session import EngineSession
+
+    outcomes: dict[int, Outcome] = {}
+    received: list[str] = []
+    stop_reason: Optional[str] = None
+    try:
+        with _signals_as_interrupt(received), EngineSession(console) as session, \
+                SweepView(console, definition.name, len(trials), len(trials) - len(todo)) as view:
+            for pos, trial in enumerate(todo):
+                view.start(trial.index, trial.run_name, len(todo) - pos)
+                since, t0 = time.time(), time.perf_counter()
+                resume = resume_point(records[trial.index])
+                if resume:
+                    console.print(f"trial {trial.index + 1} continues from its checkpoint {resume}")
+                try:
+                    summary = train(compose_trial(trial, resume), console=console, session=session)
+                except KeyboardInterrupt:
+                    stop_reason = f"interrupted ({received[0] if received else 'SIGINT'}) during trial {trial.index + 1}"
+                    with _signals_deferred():
+                        child_id = _attempt_run(sweep_id, trial, records, resume, uri, since)
+                        if child_id is not None:
+                            store.end_child(child_id, uri, "KILLED", stop_reason)
+                        store.end_parent(sweep_id, uri, "KILLED", stop_reason)
+                    raise
+                except Exception as exc:  # the trial failed: record it, go on with fresh engines
+                    error = store.one_line(exc)
+                    child_id = _attempt_run(sweep_id, trial, records, resume, uri, since)
+                    if child_id is not None:
+                        store.end_child(child_id, uri, "FAILED", error)
+                    else:
+                        child_id = store.record_failed_trial(sweep_id, trial, experiment, uri, error)
+                    outcomes[trial.index] = Outcome(trial, "FAILED", child_id, wall_s=time.perf_counter() - t0)
+                    view.finish(f"[bold red]✗ trial {trial.index + 1}/{len(trials)} {trial.run_name} FAILED[/]: {error}")
+                    continue
+                outcomes[trial.index] = out = _record_success(trial, summary, session, sweep_id, uri, since,
+                                                              time.perf_counter() - t0)
+                view.finish(f"[bold green]✓[/] trial {trial.index + 1}/{len(trials)} {trial.run_name}: "
+                            f"final val {_pct(out.val)} · {out.wall_s:.1f} s, of which {out.overhead_s:.1f} s "
+                            f"outside steps and validation (engines {out.engines}) · run {out.run_id}")
+    except KeyboardInterrupt:
+        if stop_reason is None:  # between trials: no child was running
+            stop_reason = f"interrupted ({received[0] if received else 'SIGINT'})"
+            store.end_parent(sweep_id, uri, "KILLED", stop_reason)
+        console.print(f"[yellow]sweep {sweep_id} {stop_reason}: runs ended KILLED; "
+                      f"continue with `stapoctl sweep {definition.name} resume={sweep_id[:8]}`[/]")
+        return 143 if received else 130
+    except BaseException as exc:
+        if stop_reason is None:
+            store.end_parent(sweep_id, uri, "FAILED", store.one_line(exc))
+        raise
+    return _finish(definition, sweep_id, trials, outcomes, uri, console)
+
+
+def _attempt_run(sweep_id: str, trial: Trial, records: dict, resume: Optional[str], uri: Optional[str],
+                 since: float) -> Optional[str]:
+    """The run this attempt wrote to: the continued child when it resumed from a checkpoint,
+    else the child it created (None when it failed before creating one)."""
+    if resume:
+        return records[trial.index].run.info.run_id
+    child = store.newest_child(sweep_id, trial.index, uri, since)
+    return child.info.run_id if child is not None else None
+
+
+def _record_success(trial: Trial, summary: dict, session, sweep_id: str, uri: Optional[str], since: float,
+                    wall: float) -> Outcome:
+    """Timing metrics on the child and the parent; FINISHED only with last-step validation."""
+    run_id = summary["run_id"]
+    reused = bool(session.engines is not None and session.engines.info.get("reused"))
+    store.client(uri).set_tag(run_id, layout.ENGINES_REUSED, str(reused).lower())
+    timing = store.log_trial_timing(sweep_id, run_id, trial.index, uri, since, wall)
+    ok = store.trial_finished(store.client(uri).get_run(run_id), uri)
+    if not ok:
+        store.end_child(run_id, uri, "FAILED", "ended without validation metrics at its last step")
+    return Outcome(trial, "FINISHED" if ok else "FAILED", run_id, _final_val(summary), wall,
+                   timing[layout.M_OVERHEAD], "reused" if reused else "started")
+
+
+def _finish(definition: SweepDefinition, sweep_id: str, trials: list[Trial], outcomes: dict[int, Outcome],
+            uri: Optional[str], console: Console) -> int:
+    """The parent's final status and counts, and the closing table; the exit code."""
+    from mlflow.entities import Metric
+
+    records = store.trial_records(sweep_id, len(trials), uri)
+    finished = sum(r.finished for r in records.values())
+    failed = len(trials) - finished
+    now = int(time.time() * 1000)
+    metrics = [Metric("sweep/trials_finished", finished, now, 0), Metric("sweep/trials_failed", failed, now, 0)]
+    reused = [o.overhead_s for o in outcomes.values() if o.engines == "reused" and o.overhead_s is not None]
+    if reused:
+        metrics.append(Metric("sweep/mean_trial_overhead_s", sum(reused) / len(reused), now, 0))
+    store.client(uri).log_batch(sweep_id, metrics=metrics)
+    store.end_parent(sweep_id, uri, "FINISHED" if failed == 0 else "FAILED",
+                     None if failed == 0 else f"{failed} of {len(trials)} trials failed")
+    table = Table(title=f"sweep {definition.name} ({sweep_id})")
+    for col in ("trial", "run name", "status", "final val", "wall s", "overhead s", "run id", "engines"):
+        table.add_column(col, justify="right" if col in ("trial", "final val", "wall s", "overhead s") else "left",
+                         overflow="fold", min_width=8 if col == "run name" else None)
+    for trial in trials:
+        rec = records[trial.index]
+        out = outcomes.get(trial.index) or Outcome(
+            trial, "FINISHED" if rec.finished else (rec.run.info.status if rec.run else "-"),
+            rec.run.info.run_id if rec.run else "", engines="earlier run")
+        table.add_row(*out.row())
+    console.print(table)
+    if reused:
+        console.print(f"per-trial overhead with reused engines: mean {sum(reused) / len(reused):.1f} s "
+                      "(trial wall time minus its steps and validations)")
+    if failed:
+        console.print(f"[bold red]{failed} of {len(trials)} trials did not finish[/]; rerun them with "
+                      f"`stapoctl sweep {definition.name} resume={sweep_id[:8]}`")
+        return 1
+    console.print(f"[bold green]sweep {definition.name} finished[/]: {len(trials)} trials under MLflow run {sweep_id}")
+    return 0
+
+
+def _final_val(summary: dict) -> Optional[float]:
+    final = summary.get("final", {})
+    return next((v for k, v in sorted(final.items()) if k.startswith("val/") and "/avg_at_" in k), None)
+
+
+def _pct(value: Optional[float]) -> str:
+    return f"{value:.1%}" if value is not None else "-"
+
+
+def print_plan(definition: SweepDefinition, trials: list[Trial], console: Console) -> None:
+    """`stapoctl sweep NAME --dry-run`: the trials and their Hydra overrides; starts nothing."""
+    table = Table(title=f"sweep {definition.name}: {len(trials)} trials of experiment {definition.experiment}")
+    table.add_column("trial", justify="right")
+    table.add_column("run name")
+    table.add_column(definition.key)
+    table.add_column("seed", justify="right")
+    table.add_column("overrides (besides the experiment's)")
+    for t in trials:
+        shown = [o for o in t.overrides[1:] if not o.startswith(("tracking.run_name=", "++tracking.tags="))]
+        table.add_row(str(t.index + 1), t.run_name, t.value, str(t.seed), " ".join(shown))
+    console.print(table)
+
+
+# -- signals -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _signals_as_interrupt(received: list[str]):
+    """SIGTERM (a scheduler's stop) unwinds like Ctrl-C, so the same code ends the runs KILLED;
+    `received` gets the signal's name."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        received.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold SIGINT/SIGTERM for the few ms it takes to write the runs' statuses."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)

