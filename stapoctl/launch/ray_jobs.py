@@ -196,7 +196,10 @@ def list_jobs(address: str) -> list[dict[str, Any]]:
 
 def follow(address: str, job_id: str, console: Console, poll_s: float = 2.0) -> str:
     """Stream the job's logs until it ends; returns its final state."""
+    import logging
+
     c = client(address)
+    logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)  # "WebSocket closed" notes
 
     async def tail() -> None:
         async for chunk in c.tail_job_logs(job_id):
