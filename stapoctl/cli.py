@@ -21,6 +21,9 @@ app = typer.Typer(
 )
 data_app = typer.Typer(help="Prepare training and benchmark datasets.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
+jobs_app = typer.Typer(help="Jobs sent with `stapoctl submit` (Ray or SLURM): list, status, logs, stop.",
+                       no_args_is_help=True)
+app.add_typer(jobs_app, name="jobs")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -123,12 +126,63 @@ def data_prep(
     prep_command(conf, name=name, source=source, out=out, strict=strict, template=template, console=console)
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": False})
 def submit(
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the sbatch script / Ray job spec; submit nothing"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Stream the job's logs until it ends"),
 ) -> None:
-    """Send `train` to a Ray cluster or SLURM (cluster=ray|slurm) instead of running here."""
-    not_implemented("submit")
+    """Send `train` to a Ray cluster (cluster=ray cluster.address=http://HOST:8265) or to SLURM
+    (cluster=slurm cluster.preset=NAME) instead of running it here."""
+    conf = _compose(overrides)
+    from stapoctl.launch.submit import submit_run
+
+    raise typer.Exit(submit_run(conf, list(overrides or []), dry_run=dry_run, follow=follow, console=console))
+
+
+ADDRESS_HELP = "Ray job server (http://HOST:8265) for a Ray job not submitted from here"
+
+
+@jobs_app.command("list")
+def jobs_list(limit: int = typer.Option(20, "--limit")) -> None:
+    """Jobs submitted from here: backend, id, run name, state, where the logs are."""
+    from stapoctl.launch.jobs import list_jobs
+
+    list_jobs(console, limit=limit)
+
+
+@jobs_app.command("status")
+def jobs_status(
+    job_id: str = typer.Argument(..., help="SLURM job id (array task: 12_1) or Ray submission id"),
+    address: Optional[str] = typer.Option(None, "--address", help=ADDRESS_HELP),
+) -> None:
+    """A job's state (array: each task's), with its MLflow run and log file."""
+    from stapoctl.launch.jobs import show_status
+
+    show_status(job_id, console, address=address)
+
+
+@jobs_app.command("logs")
+def jobs_logs(
+    job_id: str = typer.Argument(..., help="SLURM job id (array task: 12_1) or Ray submission id"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep streaming until the job ends"),
+    address: Optional[str] = typer.Option(None, "--address", help=ADDRESS_HELP),
+) -> None:
+    """A job's output (driver log for Ray, submitit's log file for SLURM)."""
+    from stapoctl.launch.jobs import show_logs
+
+    raise typer.Exit(show_logs(job_id, console, follow=follow, address=address))
+
+
+@jobs_app.command("stop")
+def jobs_stop(
+    job_id: str = typer.Argument(..., help="SLURM job id (array task: 12_1) or Ray submission id"),
+    address: Optional[str] = typer.Option(None, "--address", help=ADDRESS_HELP),
+) -> None:
+    """Stop a job (Ray: stop_job; SLURM: scancel)."""
+    from stapoctl.launch.jobs import stop_job
+
+    stop_job(job_id, console, address=address)
 
 
 @app.command()

@@ -1,0 +1,46 @@
+"""Shell lines that go into a SLURM job's sbatch script before submitit runs the driver: the job's
+environment, written out explicitly, and for multi-node allocations the Ray-on-SLURM bootstrap.
+
+Multi-node (the pattern of Ray's SLURM guide): a Ray head on the first node of the allocation,
+one Ray worker on every other node (each an `srun` step in the background, `--block` so SLURM
+owns their lifetime), then the driver joins the head at $STAPOCTL_RAY_ADDRESS and Ray places
+the rollout and learner actors across the nodes. Untested on real multi-node hardware: on this
+project's machine only single-node allocations run; a test checks the script's structure.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Mapping
+
+RAY_ADDRESS_ENV = "STAPOCTL_RAY_ADDRESS"  # read by the job body (launch/slurm.py) → cluster.address
+
+
+def env_lines(env: Mapping[str, str], pythonpath: str | None) -> list[str]:
+    """`export` lines for the job; PYTHONPATH keeps whatever the site's setup lines put there."""
+    lines = [f"export {key}={shlex.quote(str(value))}" for key, value in env.items()]
+    if pythonpath:
+        lines.append(f"export PYTHONPATH={shlex.quote(pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}}")
+    return lines
+
+
+def ray_bootstrap_lines(python: str, nodes: int, gpus_per_node: int, port: int) -> list[str]:
+    """Start Ray across the allocation's nodes and export its address for the driver."""
+    ray = f"{python} -m ray.scripts.scripts"
+    step = "srun --nodes=1 --ntasks=1 --overlap"
+    gpus = f" --num-gpus={gpus_per_node}" if gpus_per_node else " --num-gpus=0"
+    return [
+        f"# Ray on SLURM: head on the first of {nodes} nodes, a worker on each other node, then the driver",
+        "# (the standard pattern; untested on real multi-node hardware)",
+        'ray_nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
+        'ray_head=${ray_nodes[0]}',
+        f'ray_head_ip=$({step} -w "$ray_head" hostname --ip-address | awk \'{{print $1}}\')',
+        f'export {RAY_ADDRESS_ENV}="$ray_head_ip:{port}"',
+        f'{step} -w "$ray_head" {ray} start --head --block --node-ip-address="$ray_head_ip" --port={port} '
+        f'--dashboard-host=127.0.0.1 --num-cpus="$SLURM_CPUS_PER_TASK"{gpus} &',
+        f'for _ in $(seq 90); do {ray} status --address="${RAY_ADDRESS_ENV}" >/dev/null 2>&1 && break; sleep 2; done',
+        'for ray_node in "${ray_nodes[@]:1}"; do',
+        f'    {step} -w "$ray_node" {ray} start --block --address="${RAY_ADDRESS_ENV}" '
+        f'--num-cpus="$SLURM_CPUS_PER_TASK"{gpus} &',
+        "done",
+    ]
