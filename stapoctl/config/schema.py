@@ -96,6 +96,9 @@ class RolloutConfig:
     enforce_eager: bool = True
     # old log-probs for the ratio: "recompute" with the learner (verl style) or take vLLM's "rollout"
     old_logprob_source: str = "recompute"
+    # Ray restarts a rollout actor whose process dies this many times (-1: always); the driver
+    # then pushes the learner's weights to it and re-sends the lost rollout
+    max_restarts: int = 3
     # learner -> vLLM weight transfer: auto (CPU: Ray object store + in-place reload;
     # GPU: CUDA IPC when colocated, NCCL broadcast when disaggregated) | object_store | nccl | ipc
     weight_sync: str = "auto"
@@ -165,6 +168,9 @@ class TrackingConfig:
     log_artifacts: bool = True
     # nest this run under another (a sweep's parent run): MLflow tag mlflow.parentRunId
     parent_run_id: Optional[str] = None
+    # at the end, how long to wait for an unreachable MLflow server to take the buffered records
+    # (they stay in <run dir>/mlflow_journal.jsonl and are sent by the next resume otherwise)
+    flush_timeout_s: float = 120.0
 
 
 @dataclass
@@ -194,6 +200,8 @@ class TrainerConfig:
     log_every: int = 1
     val_before_train: bool = True  # validate the starting policy (step 0) when eval.every_n_steps > 0
     log_samples: int = 4  # responses saved as an MLflow text artifact at each validation
+    # refuse to start when the output dir's disk has less free space (checkpoints need room)
+    min_free_gb: float = 1.0
 
 
 @dataclass
