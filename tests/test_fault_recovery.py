@@ -78,6 +78,11 @@ class MlflowServer:
         self.proc = None
 
 
+def flat(text: str) -> str:
+    """Console text with rich's line wrapping undone (single spaces)."""
+    return " ".join(text.split())
+
+
 def journal(run_dir: Path) -> list[dict]:
     path = run_dir / "mlflow_journal.jsonl"
     if not path.is_file():
@@ -173,18 +178,34 @@ class Driver:
         return rc
 
     def output(self) -> str:
-        return self.log.read_text()
+        return flat(self.log.read_text())
+
+
+def resume_in_process(run_id: str, uri: str, meddle=None) -> dict:
+    """`train(resume=run_id)` in this process while `meddle()` runs in a thread beside it."""
+    from rich.console import Console
+
+    from stapoctl.config.compose import compose_config
+    from stapoctl.errors import RunFailed
+    from stapoctl.trainer.driver import train
+
+    console = Console(width=120, record=True)
+    thread = threading.Thread(target=meddle or (lambda: None), daemon=True)
+    thread.start()
+    out: dict = {"error": None}
+    try:
+        out["summary"] = train(compose_config([f"resume={run_id}", f"tracking.uri={uri}"]), console=console)
+    except RunFailed as exc:
+        out["error"] = str(exc)
+    thread.join(timeout=120)
+    out["log"] = flat(console.export_text())
+    return out
 
 
 # -- the run ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory, shared_home):
     from mlflow import MlflowClient
-    from rich.console import Console
-
-    from stapoctl.config.compose import compose_config
-    from stapoctl.errors import RunFailed
-    from stapoctl.trainer.driver import train
 
     tmp = tmp_path_factory.mktemp("faults")
     run_dir = tmp / "run"
@@ -240,7 +261,6 @@ def chain(tmp_path_factory, shared_home):
 
         # P3: in-process; the rollout actor dies mid-generation, later the learner dies
         t0 = time.monotonic()
-        console = Console(width=120, record=True)
         events: dict = {}
         start_steps = max(logged_steps(run_dir))
 
@@ -261,21 +281,13 @@ def chain(tmp_path_factory, shared_home):
             if pid:
                 os.kill(pid, signal.SIGKILL)
 
-        thread = threading.Thread(target=saboteur, daemon=True)
-        thread.start()
-        try:
-            train(compose_config([f"resume={run_id}", f"tracking.uri={server.uri}"]), console=console)
-            events["error"] = None
-        except RunFailed as exc:
-            events["error"] = str(exc)
-        thread.join(timeout=60)
-        out["p3"] = {**events, "log": console.export_text(), "steps": logged_steps(run_dir)}
+        out["p3"] = resume_in_process(run_id, server.uri, saboteur)
+        out["p3"].update(events, steps=logged_steps(run_dir))
         out["status_p3"] = MlflowClient(server.uri).get_run(run_id)
         out["timings"]["p3"] = time.monotonic() - t0
 
         # P4: in-process; the MLflow server goes away mid-run and comes back
         t0 = time.monotonic()
-        console = Console(width=120, record=True)
         outage: dict = {}
         mark = len(journal(run_dir))
 
@@ -288,19 +300,13 @@ def chain(tmp_path_factory, shared_home):
             outage["restarting_after"] = max(logged_steps(run_dir))
             outage["restart_s"] = server.start()
 
-        thread = threading.Thread(target=outage_maker, daemon=True)
-        thread.start()
-        out["p4"] = {"summary": train(compose_config([f"resume={run_id}", f"tracking.uri={server.uri}"]),
-                                      console=console)}
-        thread.join(timeout=120)
-        out["p4"].update(outage=outage, log=console.export_text())
+        out["p4"] = resume_in_process(run_id, server.uri, outage_maker)
+        out["p4"]["outage"] = outage
         out["timings"]["p4"] = time.monotonic() - t0
 
         # P5: nothing left to do
         t0 = time.monotonic()
-        console = Console(width=120, record=True)
-        out["p5"] = {"summary": train(compose_config([f"resume={run_id}", f"tracking.uri={server.uri}"]),
-                                      console=console), "log": console.export_text()}
+        out["p5"] = resume_in_process(run_id, server.uri)
         out["timings"]["p5"] = time.monotonic() - t0
         out["client"] = MlflowClient(server.uri)
         yield out
@@ -308,7 +314,12 @@ def chain(tmp_path_factory, shared_home):
         mp.undo()
         kill_all(leftovers)
         server.stop()
-        sys.stderr.write(f"\nfault chain timings (s): { {k: round(v, 1) for k, v in out['timings'].items()} }\n")
+        facts = {"timings_s": {k: round(v, 1) for k, v in out["timings"].items()},
+                 "p1_survivors": out.get("p1", {}).get("survivors"), "p2_exit_s": out.get("p2", {}).get("exit_s"),
+                 "p2_survivors": out.get("p2", {}).get("survivors"),
+                 "p4_max_log_s": out.get("p4", {}).get("summary", {}).get("max_log_s"),
+                 "outage": out.get("p4", {}).get("outage"), "p3_error": out.get("p3", {}).get("error")}
+        sys.stderr.write(f"\nfault chain: {facts}\n")
 
 
 def history(chain, key: str) -> list[int]:

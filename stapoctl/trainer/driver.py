@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -461,7 +461,7 @@ class Loop:
         val_sets = runner.data.val_sets
         last: dict = {}
         first_val: dict = {}
-        replay = ReplayCheck.of(start_step)
+        replay = ReplayCheck()
         with LiveView(console, total, start_step, title=f"{conf.experiment} · {conf.loss.name}") as view:
             if val_sets and start_step == 0 and conf.trainer.val_before_train:
                 view.status("validating the starting policy")
@@ -542,12 +542,8 @@ class ReplayCheck:
     `batch/fingerprint` (prompts and sampled tokens) checks against the logged value.
     """
 
-    steps: list = None  # type: ignore[assignment]
-    mismatched: list = None  # type: ignore[assignment]
-
-    @classmethod
-    def of(cls, start_step: int) -> "ReplayCheck":
-        return cls([], [])
+    steps: list = field(default_factory=list)
+    mismatched: list = field(default_factory=list)
 
     def check(self, step: int, metrics: dict) -> None:
         from stapoctl.tracking.metric_buffer import active

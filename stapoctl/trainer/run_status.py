@@ -75,13 +75,20 @@ def final_status(exc: Optional[BaseException]) -> tuple[str, dict[str, str]]:
 
 @contextlib.contextmanager
 def http_fail_fast() -> Iterator[None]:
-    """MLflow's default retries add up to minutes per request; bound them unless the user set them."""
+    """MLflow's default retries add up to minutes per request; bound them unless the user set them.
+    urllib3's per-retry warnings are muted meanwhile: the journal says once that the server is gone."""
+    import logging
+
     saved = {k: os.environ.get(k) for k in _HTTP_ENV}
     for k, v in _HTTP_ENV.items():
         os.environ.setdefault(k, v)
+    pool_log = logging.getLogger("urllib3.connectionpool")
+    level = pool_log.level
+    pool_log.setLevel(logging.ERROR)
     try:
         yield
     finally:
+        pool_log.setLevel(level)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
