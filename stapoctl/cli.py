@@ -304,13 +304,19 @@ def losses() -> None:
 
 
 def main() -> None:
-    from stapoctl.errors import UserError
+    from stapoctl.errors import RunFailed, RunStopped, UserError
 
     try:
         app()
     except UserError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except RunStopped as exc:
+        err_console.print(f"[yellow]stopped:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except RunFailed as exc:
+        err_console.print(f"[bold red]failed:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(130)

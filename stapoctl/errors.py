@@ -3,3 +3,20 @@
 
 class UserError(ValueError):
     """Bad input: the message names the field and the fix."""
+
+
+class RunFailed(RuntimeError):
+    """A run that cannot go on (an engine died, a checkpoint could not be written): the CLI
+    prints the message as one line (it says how to resume) and exits 1."""
+
+
+class RunStopped(RuntimeError):
+    """A run stopped on request (a signal), checkpointed unless aborted: exit 128 + signum."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = int(signum)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

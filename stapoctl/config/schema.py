@@ -121,6 +121,9 @@ class RolloutConfig:
     # intra-op threads of each vLLM actor; 0 = auto (sync loop: the node's cores shared by the workers,
     # since one phase runs at a time; async: the actor's own CPU share)
     num_threads: int = spec(0, range=NON_NEGATIVE)
+    # Ray restarts a rollout actor whose process dies this many times (-1: always); the driver
+    # then pushes the learner's weights to it and re-sends the lost rollout
+    max_restarts: int = spec(3, range="[-1, inf)")
     # learner -> vLLM weight transfer: auto (CPU: Ray object store + in-place reload;
     # GPU: CUDA IPC when colocated, NCCL broadcast when disaggregated) | object_store | nccl | ipc
     weight_sync: str = spec("auto", choices=("auto", "object_store", "nccl", "ipc"))
@@ -195,6 +198,9 @@ class TrackingConfig:
     # extra MLflow tags on the run: +tracking.tags.team=rl; dotted names as a dict, as a sweep tags
     # its trials: ++tracking.tags={stapoctl.trial:'1'}
     tags: Dict[str, str] = field(default_factory=dict)
+    # at the end, how long to wait for an unreachable MLflow server to take the buffered records
+    # (they stay in <run dir>/mlflow_journal.jsonl and are sent by the next resume otherwise)
+    flush_timeout_s: float = spec(120.0, range=NON_NEGATIVE)
 
 
 @dataclass
@@ -256,6 +262,8 @@ class TrainerConfig:
     # 000 §3 token diagnostics (categories, prob–entropy histogram, spurious tokens) as MLflow
     # artifacts diagnostics/step_NNNNNN/ every N steps; 0 = off
     diagnostics_every: int = 20
+    # refuse to start when the output dir's disk has less free space (checkpoints need room)
+    min_free_gb: float = spec(1.0, range=NON_NEGATIVE)
 
 
 @dataclass

@@ -5,6 +5,11 @@ The engine lives for the whole run (its start-up and first-shape warm-up cost ~1
 CPU), and a training step costs one call per stage: `rollout` returns a padded
 `RolloutBatch` (tensors through the object store), `update_weights` takes the learner's
 named tensors and loads them in place.
+
+A training run's actors restart when their process dies (`rollout.max_restarts`). A restarted
+actor holds the model it was built from, not the learner's current weights, so until the
+driver pushes them it refuses to sample (`StaleWeightsError`) instead of silently generating
+with the wrong policy; the driver then waits for it, pushes, and re-sends the call.
 """
 
 from __future__ import annotations
@@ -17,10 +22,18 @@ from stapoctl.rollout.vllm_engine import EngineSpec, Sample, cuda_available
 from stapoctl.sync.worker_extension import EXTENSION_CLS
 
 
-class RolloutWorker:
-    """Owns one `vllm.LLM`. Methods run one at a time (a Ray actor), so no locking."""
+class StaleWeightsError(RuntimeError):
+    """This actor was restarted and has not received the learner's weights yet."""
 
-    def __init__(self, spec: EngineSpec):
+
+class RolloutWorker:
+    """Owns one `vllm.LLM`. Methods run one at a time (a Ray actor), so no locking.
+
+    `synced`: the driver keeps this engine on the learner's weights (training); a restart of
+    such an actor needs them again before it may sample.
+    """
+
+    def __init__(self, spec: EngineSpec, synced: bool = False):
         from stapoctl.rollout import vllm_engine
 
         t0 = time.perf_counter()
@@ -33,6 +46,8 @@ class RolloutWorker:
 
             torch.set_num_threads(int(spec.num_threads))
         self.spec = spec
+        self.restarted = _was_restarted()
+        self.needs_weights = bool(synced and self.restarted)
         self.llm = vllm_engine.make_llm(spec)
         self.tokenizer = self.llm.get_tokenizer()
         self.init_seconds = time.perf_counter() - t0
@@ -46,9 +61,16 @@ class RolloutWorker:
             "pid": os.getpid(),
             "node_id": _node_id(),
             "weight_version": self.weight_version,
+            "restarted": self.restarted,
+            "needs_weights": self.needs_weights,
             "eos_token_id": self.tokenizer.eos_token_id,
             "pad_token_id": self.tokenizer.pad_token_id,
         }
+
+    def _check_weights(self) -> None:
+        if self.needs_weights:
+            raise StaleWeightsError(f"rollout actor (pid {os.getpid()}) restarted and holds the base model, "
+                                    "not the learner's weights: push them before sampling")
 
     # -- sampling ---------------------------------------------------------------------
     def generate(
@@ -63,6 +85,7 @@ class RolloutWorker:
         """Per prompt, its n samples (token ids, sampled-token log-probs, text, finish reason)."""
         from stapoctl.rollout import vllm_engine
 
+        self._check_weights()
         return vllm_engine.generate(
             self.llm, prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed
         )
@@ -104,6 +127,7 @@ class RolloutWorker:
         """vLLM's log-probs of given (prompt, response) token sequences (no sampling)."""
         from stapoctl.rollout import vllm_engine
 
+        self._check_weights()
         return vllm_engine.score_logprobs(self.llm, token_ids_list)
 
     def score_batch(self, batch) -> "Any":
@@ -148,6 +172,7 @@ class RolloutWorker:
     def _after_update(self) -> None:
         self.llm.reset_prefix_cache()
         self.weight_version += 1
+        self.needs_weights = False
 
     def weight_checksum(self) -> float:
         return float(self.llm.collective_rpc("stapo_weight_checksum")[0])
@@ -191,6 +216,16 @@ def _node_id() -> str:
         return ""
 
 
+def _was_restarted() -> bool:
+    """True in an actor Ray brought back after its process died (False outside Ray)."""
+    try:
+        import ray
+
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:
+        return False
+
+
 def rollout_env(spec: EngineSpec) -> dict[str, str]:
     """Per-actor environment: vLLM in-process on CPU (4 s start, tensors passed directly)."""
     from stapoctl.launch.ray_runtime import actor_env
@@ -211,10 +246,15 @@ def make_rollout_worker(
     *,
     options: Optional[dict[str, Any]] = None,
     name: Optional[str] = None,
+    synced: bool = False,
+    max_restarts: int = 0,
 ):
     """Start a RolloutWorker actor with these resources; returns its handle (engine still loading).
 
     `options`: extra Ray actor options, e.g. the placement-group scheduling strategy of its bundle.
+    `synced` / `max_restarts`: a training actor, restarted by Ray up to max_restarts times
+    (-1: always) after its process dies. Calls are not retried by Ray (`max_task_retries=0`):
+    the driver re-sends them once the actor has the current weights again.
     """
     import ray
 
@@ -223,9 +263,11 @@ def make_rollout_worker(
         num_gpus=num_gpus,
         runtime_env={"env_vars": rollout_env(engine_spec)},
         max_concurrency=1,
+        max_restarts=int(max_restarts),
+        max_task_retries=0,
     )
     if name:
         opts["name"] = name
     opts.update(options or {})
     actor_cls = ray.remote(RolloutWorker)
-    return actor_cls.options(**opts).remote(engine_spec)
+    return actor_cls.options(**opts).remote(engine_spec, synced)

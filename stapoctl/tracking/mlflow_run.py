@@ -102,6 +102,13 @@ def log_config(cfg: Any) -> None:
 
     safe = OmegaConf.create(redact(OmegaConf.to_container(cfg, resolve=True)))
     flat = {k: ("" if v is None else str(v))[:6000] for k, v in to_flat_dict(safe).items()}
+    from stapoctl.tracking.metric_buffer import active
+
+    buffer = active()
+    if buffer is not None:  # a training run: through its journal (see metric_buffer)
+        buffer.log_params(flat)
+        buffer.log_text(OmegaConf.to_yaml(safe, resolve=True), "config.yaml")
+        return
     items = list(flat.items())
     for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
         mlflow.log_params(dict(items[i : i + 100]))
@@ -109,9 +116,17 @@ def log_config(cfg: Any) -> None:
 
 
 def log_metrics(metrics: Mapping[str, float], step: int) -> None:
+    """A training run's metrics go through its journal (never blocks, survives outages)."""
     import math
 
     import mlflow
+
+    from stapoctl.tracking.metric_buffer import active
+
+    buffer = active()
+    if buffer is not None:
+        buffer.log_metrics(metrics, step)
+        return
 
     clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
     if clean:

@@ -256,21 +256,30 @@ def write(diag: TokenDiagnostics, out_dir: Path | str, loss_name: str = "") -> l
 
 
 def log_step(batch: Any, log_probs: Tensor, entropy: Tensor, loss_cfg: dict, *, step: int, mini_rows: int,
-             decode: Callable[[list[int]], str]) -> TokenDiagnostics:
+             decode: Callable[[list[int]], str], keep_dir: Optional[Path] = None) -> TokenDiagnostics:
     """The training loop's hook: diagnose a scored batch and log it to the active MLflow run
-    under diagnostics/step_NNNNNN/."""
+    under diagnostics/step_NNNNNN/. With a journal-backed run (training), the files are written
+    to `keep_dir` and uploaded by the run's sender, so an MLflow outage never stalls a step."""
     import tempfile
 
     import mlflow
 
     from stapoctl.tracking.keys import DIAGNOSTICS_DIR
+    from stapoctl.tracking.metric_buffer import active
 
     name = str(loss_cfg.get("name", ""))
     diag = diagnose(batch.response_ids, batch.response_mask, batch.advantages, log_probs, entropy,
                     tau_p=float(loss_cfg.get("tau_p", 2e-3)), tau_h=float(loss_cfg.get("tau_h", 0.2)),
                     interpolation=str(loss_cfg.get("quantile_interpolation", "linear")), mini_rows=mini_rows,
                     silencing=SILENCING.get(name), decode=decode, step=step)
+    artifact_path = f"{DIAGNOSTICS_DIR}/step_{step:06d}"
+    buffer = active()
+    if buffer is not None and keep_dir is not None:
+        Path(keep_dir).mkdir(parents=True, exist_ok=True)
+        write(diag, keep_dir, loss_name=name)
+        buffer.log_artifacts(str(keep_dir), artifact_path)
+        return diag
     with tempfile.TemporaryDirectory() as tmp:
         write(diag, tmp, loss_name=name)
-        mlflow.log_artifacts(tmp, f"{DIAGNOSTICS_DIR}/step_{step:06d}")
+        mlflow.log_artifacts(tmp, artifact_path)
     return diag

@@ -1,15 +1,20 @@
 """Checkpoints: written into a hidden temp dir, then renamed, so a crash never leaves a
-half-written `step_NNNNNN/` and `latest` always names a complete one.
+half-written `step_NNNNNN/`; a manifest of every file's size and sha256, written last, lets a
+resume tell a complete checkpoint from a damaged one (a truncated copy, a bad disk) and fall
+back to the previous complete one instead of loading garbage.
 
 Layout (a contract with `stapoctl eval` and `models.resolve`):
     <run_dir>/checkpoints/step_000020/model/              HF dir, loadable by vLLM and transformers
     <run_dir>/checkpoints/step_000020/state/              DeepSpeed: weights, optimizer, scheduler
     <run_dir>/checkpoints/step_000020/trainer_state.json  step, sampler position, RNG, run id
+    <run_dir>/checkpoints/step_000020/manifest.json       path → size, sha256 of every other file
     <run_dir>/checkpoints/latest                          text: the newest step dir's name
+    <run_dir>/checkpoints/.step_000020.XXXX/              a write in progress (or one a kill cut short)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -22,6 +27,7 @@ from stapoctl.errors import UserError
 from stapoctl.tracking.run_ids import looks_like_run_id, run_dir_of
 
 TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
@@ -38,13 +44,90 @@ def save(run_dir: Path, step: int, write_payload: Callable[[Path], None], traine
     try:
         write_payload(tmp)
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
-        if final.exists():  # the same step saved again (a resumed run re-reaching it)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        write_manifest(tmp)
+        _fsync_tree(tmp)
+        if final.exists():  # the same step saved again (a resumed run re-reaching it): swap, then drop
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=ckpt_root))
+            os.rename(final, old / final.name)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _write_atomic(ckpt_root / "latest", final.name + "\n")
     return final
+
+
+# -- the manifest ---------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(step_dir: Path) -> list[Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(step_dir: Path) -> dict:
+    """Size and sha256 of every file in the (not yet published) step dir; written last."""
+    step_dir = Path(step_dir)
+    files = {p.relative_to(step_dir).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in _files(step_dir)}
+    manifest = {"version": 1, "files": files}
+    (step_dir / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
+def verify(step_dir: Path, *, checksums: bool = True) -> Optional[str]:
+    """None when the step dir is complete; else why not (one phrase, for a warning).
+
+    Sizes are cheap and catch truncation; checksums read every byte (on resume, once). A step
+    dir without a manifest (written before manifests existed) passes if its state file reads.
+    """
+    step_dir = Path(step_dir)
+    state = step_dir / TRAINER_STATE
+    if not state.is_file():
+        return f"no {TRAINER_STATE}"
+    try:
+        json.loads(state.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{TRAINER_STATE} unreadable ({exc})"
+    mpath = step_dir / MANIFEST
+    if not mpath.is_file():
+        return None
+    try:
+        files = json.loads(mpath.read_text())["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        return f"{MANIFEST} unreadable ({exc})"
+    for rel, want in files.items():
+        path = step_dir / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        size = path.stat().st_size
+        if size != want["size"]:
+            return f"{rel} has {size} bytes, the manifest says {want['size']}"
+        if checksums and _sha256(path) != want["sha256"]:
+            return f"{rel} does not match its sha256"
+    return None
+
+
+def _fsync_tree(root: Path) -> None:
+    """Data on disk before the rename publishes it (a crash of the machine, not just the process)."""
+    if os.environ.get("STAPOCTL_CKPT_FSYNC", "1") == "0":
+        return
+    for p in [*_files(root), root / MANIFEST]:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -54,45 +137,73 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def latest_step_dir(run_dir: Path) -> Optional[Path]:
-    """The step dir `latest` names, else the highest complete step dir, else None."""
+def step_dirs(run_dir: Path) -> list[Path]:
+    """Published step dirs of a run, newest first."""
     root = Path(run_dir) / "checkpoints"
-    latest = root / "latest"
-    if latest.is_file():
-        candidate = root / latest.read_text().strip()
-        if (candidate / TRAINER_STATE).is_file():
+    return sorted((p for p in root.glob("step_*") if _STEP_RE.match(p.name) and p.is_dir()),
+                  key=lambda p: -int(_STEP_RE.match(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def latest_step_dir(run_dir: Path, *, checksums: bool = False, warn: Optional[Callable[[str], None]] = None
+                    ) -> Optional[Path]:
+    """The newest complete step dir (manifest verified), else None.
+
+    `latest` is only a hint: a kill between the rename and its update leaves it one behind, so
+    the highest verified step wins. Damaged ones are skipped, each named through `warn`.
+    """
+    for candidate in step_dirs(run_dir):
+        problem = verify(candidate, checksums=checksums)
+        if problem is None:
             return candidate
-    steps = sorted(
-        (p for p in root.glob("step_*") if _STEP_RE.match(p.name) and (p / TRAINER_STATE).is_file()),
-        key=lambda p: int(_STEP_RE.match(p.name).group(1)),  # type: ignore[union-attr]
-    )
-    return steps[-1] if steps else None
+        if warn is not None:
+            warn(f"skipping checkpoint {candidate}: {problem}")
+    return None
+
+
+def partial_writes(run_dir: Path) -> list[Path]:
+    """Temp dirs of checkpoint writes that never finished (the writer was killed)."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(p for p in root.glob(".step_*") if p.is_dir())
+
+
+def remove_partial_writes(run_dir: Path, warn: Optional[Callable[[str], None]] = None) -> None:
+    """Only the run's own driver writes its checkpoints, so at resume every temp dir is debris."""
+    for p in partial_writes(run_dir):
+        if warn is not None:
+            warn(f"removing {p.name}: a checkpoint write that was cut short")
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def read_trainer_state(step_dir: Path) -> dict:
     return json.loads((Path(step_dir) / TRAINER_STATE).read_text())
 
 
-def resolve_resume(spec: str, tracking_uri: Optional[str] = None) -> Path:
-    """`resume=` → the checkpoint step dir to continue from.
+def resolve_resume(spec: str, tracking_uri: Optional[str] = None,
+                   warn: Optional[Callable[[str], None]] = None) -> Path:
+    """`resume=` → the checkpoint step dir to continue from, its files checked against the manifest.
 
-    Accepts a step dir, a run dir (its latest checkpoint), or an MLflow run id, full or short (its
-    tag `stapoctl.run_dir`, then the latest checkpoint there).
+    Accepts a step dir, a run dir (its newest complete checkpoint), or an MLflow run id, full or
+    short (its tag `stapoctl.run_dir`, then the newest complete checkpoint there).
     """
     value = str(spec).strip()
     path = Path(value).expanduser()
     if path.is_dir():
-        if (path / TRAINER_STATE).is_file():
+        if (path / TRAINER_STATE).is_file() or (path / MANIFEST).is_file():
+            problem = verify(path, checksums=True)
+            if problem:
+                raise UserError(f"resume={value}: that checkpoint is damaged ({problem}); resume from the "
+                                "run dir instead to take its newest complete checkpoint")
             return path.resolve()
-        found = latest_step_dir(path) or (latest_step_dir(path.parent) if path.name == "checkpoints" else None)
+        run_dir = path.parent if path.name == "checkpoints" else path
+        found = latest_step_dir(run_dir, checksums=True, warn=warn)
         if found is None:
-            raise UserError(f"resume={value}: no checkpoint under {path} (expected checkpoints/step_NNNNNN/)")
+            raise UserError(f"resume={value}: no complete checkpoint under {path} (expected checkpoints/step_NNNNNN/)")
         return found.resolve()
     if looks_like_run_id(value):
         run_dir = run_dir_of(value, tracking_uri, what="resume")
-        found = latest_step_dir(run_dir)
+        found = latest_step_dir(run_dir, checksums=True, warn=warn)
         if found is None:
-            raise UserError(f"resume={value}: MLflow run's dir {run_dir} has no checkpoint yet")
+            raise UserError(f"resume={value}: MLflow run's dir {run_dir} has no complete checkpoint yet")
         return found.resolve()
     raise UserError(
         f"resume={value}: not a directory and not a 32-hex MLflow run id (or a prefix of ≥ 7 digits, as "

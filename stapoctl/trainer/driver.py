@@ -12,9 +12,9 @@ import contextlib
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -102,6 +102,8 @@ class PendingRollout:
     refs: list
     version: int  # weight syncs the workers had received when it was sent: the sampling weights
     sampler_state: dict  # the prompt sampler right after this step's batch (what a checkpoint records)
+    submit: Optional[Callable[[Any, Any], Any]] = None  # (worker, job) → ref: re-sends a block lost with its actor
+    jobs: list = field(default_factory=list)  # (worker index, job) per block
 
 
 class StepRunner:
@@ -133,29 +135,30 @@ class StepRunner:
         r = self.conf.rollout
         workers = self.engines.workers
         per = -(-len(indices) // len(workers))
-        refs = []
         run_seed = int(self.conf.trainer.seed)
-        for j, w in enumerate(workers):
-            block = indices[j * per : (j + 1) * per]
-            if not block:
-                continue
-            refs.append(w.rollout.remote(
+        blocks = [(j, indices[j * per:(j + 1) * per]) for j in range(len(workers))]
+
+        def submit(worker, job):
+            j, block = job
+            return worker.rollout.remote(
                 [self.prompt_ids[i] for i in block], n=int(r.n), temperature=float(r.temperature),
                 top_p=float(r.top_p), max_tokens=int(r.max_response_length),
                 seed=[prompt_seed(run_seed, step, i) for i in block],
                 pad_id=self.pad_id, group_offset=j * per, prompt_index=block,
-            ))
-        return PendingRollout(step, list(indices), refs, self.weight_version, dict(sampler_state or {}))
+            )
+
+        # a block whose actor dies is re-sent (same prompts, same seeds) once it is back: see collect
+        jobs = [(j, (j, block)) for j, block in blocks if block]
+        refs = self.engines.send_rollouts(submit, jobs)
+        return PendingRollout(step, list(indices), refs, self.weight_version, dict(sampler_state or {}), submit, jobs)
 
     def collect(self, pending: PendingRollout):
         """The batch of a launched rollout; `timing_s/gen` is the workers' own generation time,
         `timing_s/gen_wait` how long the driver waited for it (≈ 0 when it overlapped an update)."""
-        import ray
-
         from stapoctl.trainer.batch import RolloutBatch
 
         t0 = time.perf_counter()
-        parts = ray.get(pending.refs)
+        parts = self.engines.gather_rollouts(pending.refs, pending.submit, pending.jobs)
         wait = time.perf_counter() - t0
         batch = RolloutBatch.concat([p[0] for p in parts], pad_id=self.pad_id)
         self._worker_rows = [len(p[0]) for p in parts]
@@ -211,22 +214,27 @@ class StepRunner:
         return m
 
     def sync(self, wait: bool = True) -> dict:
-        """Learner → every rollout worker. wait=False (async) only sends it: each worker loads it
-        after the rollouts already queued on it."""
+        """Learner → every rollout worker (then a check that each live one holds the weights: a
+        restarted actor gets them now). wait=False (async) only sends it: each worker loads it
+        after the rollouts already queued on it; a lost worker is found when its rollout is collected."""
         self.weight_version += 1
         if wait:
-            return self.engines.sync.push()
+            return self.engines.push_weights()
         t0 = time.perf_counter()
-        self.engines.sync.push_async()
+        self.engines.push_weights_async()
         return {"timing_s/sync": time.perf_counter() - t0}
 
-    def log_diagnostics(self, batch, step: int) -> None:
-        """000 §3 token diagnostics of the step's batch (π, H of the learner's recompute pass)."""
+    def log_diagnostics(self, batch, step: int, run_dir: Optional[Path] = None) -> None:
+        """000 §3 token diagnostics of the step's batch (π, H of the learner's measuring pass, which
+        `measure_due` schedules on these steps); files kept under run_dir/diagnostics until sent."""
         from stapoctl.tracking.token_diagnostics import log_step
 
+        if self._last_old is None or self._last_entropy is None:
+            return
         mini_rows = int(self.conf.learner.ppo_mini_batch_size) * int(self.conf.rollout.n)
+        keep = Path(run_dir) / "diagnostics" / f"step_{step:06d}" if run_dir is not None else None
         log_step(batch, self._last_old, self._last_entropy, self.loss_cfg, step=step, mini_rows=mini_rows,
-                 decode=self.data.tokenizer.decode)
+                 decode=self.data.tokenizer.decode, keep_dir=keep)
 
     def finish(self, pending: PendingRollout, *, wait_sync: bool = True) -> tuple[Any, dict]:
         """Collect a launched rollout, score it, update on it, sync: one training step."""
@@ -343,28 +351,46 @@ def running_engines(conf: DictConfig, policy_path: str, resume_dir: Optional[Pat
 def train(conf: DictConfig, console: Optional[Console] = None, session: Any = None) -> dict:
     """Run (or resume) a training run; returns a summary (run id, run dir, first/final metrics).
 
-    `session`: an `EngineSession` whose engines this run reuses (and leaves running)."""
-    import mlflow
-
-    from stapoctl.models.tiny import base_eval
-    from stapoctl.tracking import mlflow_run
-    from stapoctl.trainer import checkpoint
-    from stapoctl.trainer.engines import old_logprob_source
-    from stapoctl.trainer.sampler import PromptSampler
+    `session`: an `EngineSession` whose engines this run reuses (and leaves running).
+    Raises `RunStopped` after a signal (checkpoint written, MLflow run KILLED) and `RunFailed`
+    when an engine dies (MLflow run FAILED with the reason); see README "Failures and resuming".
+    """
+    from stapoctl.trainer.signals import GracefulStop
 
     console = console or Console()
     check_config(conf)
     _quiet_engine_logs()
+    with GracefulStop(console) as stop:
+        return _train(conf, console, session, stop)
+
+
+def _train(conf: DictConfig, console: Console, session: Any, stop) -> dict:
+    from stapoctl.models.tiny import base_eval
+    from stapoctl.tracking import mlflow_run
+    from stapoctl.trainer import checkpoint
+    from stapoctl.trainer.engines import old_logprob_source
+    from stapoctl.trainer.preflight import run_preflight
+    from stapoctl.trainer.run_status import tracked_run
+    from stapoctl.trainer.sampler import PromptSampler
+
+    warn = lambda msg: console.print(f"[yellow]{msg}[/]")  # noqa: E731
     uri = mlflow_run.tracking_uri(conf.tracking.uri)
     console.print(f"[bold]MLflow store:[/] {uri}  (experiment '{conf.tracking.experiment}')")
 
     resume_dir: Optional[Path] = None
     state: dict = {}
     if conf.resume:
-        resume_dir = checkpoint.resolve_resume(str(conf.resume), conf.tracking.uri)
+        resume_dir = checkpoint.resolve_resume(str(conf.resume), conf.tracking.uri, warn=warn)
         state = checkpoint.read_trainer_state(resume_dir)
         console.print(f"resuming from {resume_dir} (step {state['step']}, MLflow run {state['mlflow_run_id']})")
         conf = resume_config(conf, state)
+        check_config(conf)
+        if int(state["step"]) >= int(conf.trainer.total_steps):
+            return _nothing_to_do(conf, state, uri, console)
+    run_dir = Path(state["run_dir"]) if state else None
+    run_preflight(conf, uri, run_dir)  # before any compute: output dir, disk space, the MLflow store
+    if run_dir is not None:
+        checkpoint.remove_partial_writes(run_dir, warn=warn)
     base_model = state["base_model"] if state else resolve_policy(conf, console)
     policy_path = str(resume_dir / "model") if resume_dir else base_model
     data = prepare_data(conf, policy_path, console)
@@ -377,36 +403,101 @@ def train(conf: DictConfig, console: Optional[Console] = None, session: Any = No
     tags = {"stapoctl.kind": "train", "stapoctl.experiment": str(conf.experiment), "stapoctl.loss": str(conf.loss.name),
             **{str(k): str(v) for k, v in (conf.tracking.get("tags") or {}).items()}}
     run_name = conf.tracking.run_name or f"{conf.experiment}-{conf.loss.name}-seed{conf.trainer.seed}"
-    with mlflow_run.start_run(uri=conf.tracking.uri, experiment=conf.tracking.experiment, run_name=run_name,
-                              run_id=state.get("mlflow_run_id"), tags=tags,
-                              parent_run_id=None if state else conf.tracking.parent_run_id) as run:
-        run_id = run.info.run_id
-        run_dir = Path(state["run_dir"]) if state else Path(conf.trainer.output_dir or paths.home() / "runs" / run_id)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        mlflow.set_tag("stapoctl.run_dir", str(run_dir))
+    output_dir = conf.trainer.output_dir
+    with tracked_run(uri=uri, experiment=conf.tracking.experiment, run_name=run_name, console=console,
+                     run_id=state.get("mlflow_run_id"), tags=None if state else tags,
+                     parent_run_id=None if state else conf.tracking.parent_run_id,
+                     run_dir_for=lambda rid: run_dir or Path(output_dir or paths.home() / "runs" / rid),
+                     flush_timeout_s=float(conf.tracking.get("flush_timeout_s", 120.0))) as record:
+        run_id, run_dir = record.run_id, record.run_dir
+        rec = record.buffer
+        rec.set_tags({"stapoctl.run_dir": str(run_dir)})
         base = base_eval(base_model)
         if state:
-            mlflow.set_tag("stapoctl.resumed_from", str(resume_dir))
+            rec.set_tags({"stapoctl.resumed_from": str(resume_dir)})
         else:
             mlflow_run.log_config(conf)
-            mlflow.set_tags({**mlflow_run.env_snapshot(), "stapoctl.base_model": base_model})
+            rec.set_tags({**mlflow_run.env_snapshot(), "stapoctl.base_model": base_model})
             if base:
                 mlflow_run.log_metrics({"base/toy/accuracy_t1": base.get("accuracy_t1"),
                                         "base/toy/accuracy_greedy": base.get("accuracy_greedy")}, step=0)
         console.print(f"MLflow run {run_id} · run dir {run_dir}")
         with running_engines(conf, policy_path, resume_dir, console, session) as (engines, scorer):
-            mlflow.set_tags({"stapoctl.weight_sync": engines.info["sync_method"],
-                             "stapoctl.old_logprob_source": old_logprob_source(conf),
-                             "stapoctl.threads": json.dumps(engines.info.get("threads", {})),
-                             "stapoctl.nodes": json.dumps(engines.info.get("nodes", {}))})
+            stop.install()  # ray.init replaced our SIGTERM handler
+            engines.rollout_restarts = int(state.get("rollout_restarts", 0))
+            rec.set_tags({"stapoctl.weight_sync": engines.info["sync_method"],
+                          "stapoctl.old_logprob_source": old_logprob_source(conf),
+                          "stapoctl.threads": json.dumps(engines.info.get("threads", {})),
+                          "stapoctl.nodes": json.dumps(engines.info.get("nodes", {}))})
             loop = Loop(conf, StepRunner(conf, engines, scorer, data, start_step=int(state.get("step", 0))), sampler,
-                        run_id, run_dir, base_model, policy_path)
-            summary = loop.run(int(state.get("step", 0)), console)
+                        run_id, run_dir, base_model, policy_path, stop=stop)
+            try:
+                with record.ending(), learner_faults(engines, run_id, run_dir):
+                    summary = loop.run(int(state.get("step", 0)), console)
+            finally:
+                stop.cleaning_up = True  # a further signal must not cut the engines' shutdown short
     summary.update(run_id=run_id, run_dir=str(run_dir), tracking_uri=uri)
     if base:
         summary["base_accuracy_t1"] = base.get("accuracy_t1")
+    summary["max_log_s"] = rec.max_log_s
     _print_summary(summary, console)
     return summary
+
+
+def _nothing_to_do(conf: DictConfig, state: dict, uri: str, console: Console) -> dict:
+    """Resuming a run whose checkpoint is already at (or past) trainer.total_steps trains nothing:
+    say so; send what its journal still holds and end an interrupted record FINISHED."""
+    from stapoctl.trainer.run_status import http_fail_fast
+
+    step, total, run_id = int(state["step"]), int(conf.trainer.total_steps), state["mlflow_run_id"]
+    if step > total:
+        raise UserError(f"trainer.total_steps={total} is below the checkpoint's step {step} of run {run_id}: "
+                        f"set trainer.total_steps above {step} to continue it")
+    with http_fail_fast():
+        _finish_record(Path(state["run_dir"]), run_id, uri, console)
+    console.print(f"run already complete at step {step}/{total}; nothing to do — raise trainer.total_steps "
+                  "to continue")
+    return {"run_id": run_id, "run_dir": state["run_dir"], "tracking_uri": uri, "steps": total, "final": {},
+            "nothing_to_do": True}
+
+
+def _finish_record(run_dir: Path, run_id: str, uri: str, console: Console) -> None:
+    import mlflow
+
+    from stapoctl.tracking.metric_buffer import MetricBuffer
+
+    try:
+        status = mlflow.MlflowClient(tracking_uri=uri).get_run(run_id).info.status
+    except Exception as exc:
+        console.print(f"[yellow]MLflow at {uri} not reachable ({' '.join(str(exc).split())[:120]}); "
+                      "the run's record is left as it is[/]")
+        return
+    from stapoctl.trainer.run_status import run_dir_lock
+
+    with run_dir_lock(run_dir):
+        buffer = MetricBuffer(run_dir, run_id, uri)
+        if status == "RUNNING":  # its driver was killed after the last checkpoint
+            buffer.end("FINISHED")
+        buffer.close(timeout_s=60)
+
+
+@contextlib.contextmanager
+def learner_faults(engines, run_id: str, run_dir: Path):
+    """A dead learner rank ends the run with one line: which rank, why, and how to resume."""
+    try:
+        yield
+    except Exception as exc:
+        rank = engines.learner_rank_of(exc)
+        if rank is None:
+            raise
+        from stapoctl.errors import RunFailed
+        from stapoctl.trainer.checkpoint import latest_step_dir
+        from stapoctl.trainer.engines import describe_actor_death
+
+        last = latest_step_dir(run_dir)
+        where = f"from {last.name}" if last else "from the start (no checkpoint yet)"
+        raise RunFailed(f"learner rank {rank} died ({describe_actor_death(exc)}): the run is FAILED; resume "
+                        f"{where} with `stapoctl train resume={run_id}`") from exc
 
 
 def _quiet_engine_logs() -> None:
@@ -428,11 +519,10 @@ class Loop:
     run_dir: Path
     base_model: str
     tokenizer_dir: str
+    stop: Any = None  # GracefulStop: a signal ends the loop after the step in progress
 
     def run(self, start_step: int, console: Console) -> dict:
         """Steps start_step+1 … total: step, validate when due, log, checkpoint when due."""
-        import mlflow
-
         from stapoctl.tracking import mlflow_run
         from stapoctl.trainer.live_view import LiveView
 
@@ -443,16 +533,20 @@ class Loop:
         val_sets = runner.data.val_sets
         last: dict = {}
         first_val: dict = {}
+        replay = ReplayCheck()
         with LiveView(console, total, start_step, title=f"{conf.experiment} · {conf.loss.name}") as view:
             if val_sets and start_step == 0 and conf.trainer.val_before_train:
                 view.status("validating the starting policy")
-                first_val = _validate(conf, runner.engines, runner.scorer, val_sets, 0)
+                first_val = self.validate(0)
                 mlflow_run.log_metrics(first_val, step=0)
                 view.step(0, first_val)
             ahead = int(conf.trainer.max_staleness) if conf.trainer.mode == "async" else 0
             launched: dict[int, PendingRollout] = {}
             next_launch = start_step + 1
             t_prev = time.perf_counter()
+            if self.stop is not None:
+                self.stop.in_loop, self.stop.step = True, start_step
+            saved = start_step
             for step in range(start_step + 1, total + 1):
                 # async: the rollouts of the next `ahead` steps generate while this step updates
                 while next_launch <= min(step + ahead, total):
@@ -468,25 +562,117 @@ class Loop:
                 t_prev = time.perf_counter()
                 if val_sets and (step % val_every == 0 or step == total):
                     view.status("validating")
-                    metrics.update(_validate(conf, runner.engines, runner.scorer, val_sets, step))
+                    metrics.update(self.validate(step))
                     _log_samples(conf, batch, step)
+                metrics["fault/rollout_restarts"] = float(runner.engines.rollout_restarts)
+                replay.check(step, metrics)
                 mlflow_run.log_metrics(metrics, step=step)
-                mlflow.set_tag("stapoctl.step", str(step))
+                _set_tags({"stapoctl.step": str(step)})
                 if diag_every > 0 and step % diag_every == 0:
                     view.status("token diagnostics")
-                    runner.log_diagnostics(batch, step)
+                    runner.log_diagnostics(batch, step, self.run_dir)
                 view.step(step, metrics)
                 last = metrics
-                if save_freq > 0 and (step % save_freq == 0 or step == total):
+                if self.stop is not None:
+                    self.stop.step_done(step, metrics.get("timing_s/step", 0.0))
+                stopping = self.stop is not None and self.stop.requested is not None
+                if (save_freq > 0 and (step % save_freq == 0 or step == total)) or (stopping and step < total):
                     view.status("checkpoint")
-                    runner.engines.sync.wait()
-                    _save(runner.engines, self.run_dir, step, pending.sampler_state, self.run_id, self.base_model,
-                          self.tokenizer_dir, conf)
-            runner.engines.sync.wait()
-        out: dict[str, Any] = {"steps": total, "final": dict(last)}
+                    runner.engines.wait_weights()
+                    self.save(step, pending.sampler_state)
+                    saved = step
+                if stopping and step < total:
+                    break
+            runner.engines.wait_weights()
+        replay.report(console)
+        out: dict[str, Any] = {"steps": total, "final": dict(last), "replayed": replay.summary()}
         if first_val:
             out["first_val"] = first_val
+        if self.stop is not None and self.stop.requested is not None and self.stop.step < total:
+            from stapoctl.trainer.signals import signal_name
+
+            self.stop.cleaning_up = True
+            raise self.stop.stopped(f"{signal_name(self.stop.requested)}: stopped after step {self.stop.step} "
+                                    f"(checkpoint step_{saved:06d}); resume with `stapoctl train resume={self.run_id}`")
         return out
+
+    def validate(self, step: int) -> dict:
+        """Validation through the rollout actors; re-run whole if one of them died meanwhile."""
+        from stapoctl.trainer.engines import is_rollout_loss
+
+        engines = self.runner.engines
+        for attempt in range(3):
+            try:
+                return _validate(self.conf, engines, self.runner.scorer, self.runner.data.val_sets, step)
+            except Exception as exc:
+                if not is_rollout_loss(exc) or attempt == 2:
+                    raise
+                engines.recover_rollouts()
+        return {}
+
+    def save(self, step: int, sampler_state: dict) -> Path:
+        from stapoctl.errors import RunFailed
+        from stapoctl.trainer.checkpoint import latest_step_dir
+
+        try:
+            return _save(self.runner.engines, self.run_dir, step, sampler_state, self.run_id, self.base_model,
+                         self.tokenizer_dir, self.conf)
+        except OSError as exc:
+            last = latest_step_dir(self.run_dir)
+            raise RunFailed(f"the step-{step} checkpoint could not be written to {self.run_dir} ({exc.strerror or exc}): "
+                            f"the run is FAILED; free space and resume from {last.name if last else 'the start'} with "
+                            f"`stapoctl train resume={self.run_id}`") from exc
+
+
+@dataclass
+class ReplayCheck:
+    """Steps a resumed run recomputes because its checkpoint is older than its last logged step.
+
+    Their metrics were logged before the interruption and stay as first logged (each key once
+    per step: the journal drops the repeat). The recomputation must draw the same batch, which
+    `batch/fingerprint` (prompts and sampled tokens) checks against the logged value.
+    """
+
+    steps: list = field(default_factory=list)
+    mismatched: list = field(default_factory=list)
+
+    def check(self, step: int, metrics: dict) -> None:
+        from stapoctl.tracking.metric_buffer import active
+
+        buffer = active()
+        logged = buffer.logged_value("batch/fingerprint", step) if buffer is not None else None
+        if logged is None:
+            return
+        self.steps.append(step)
+        if float(logged) != float(metrics.get("batch/fingerprint", float("nan"))):
+            self.mismatched.append(step)
+
+    def summary(self) -> dict:
+        return {"steps": list(self.steps), "mismatched": list(self.mismatched)}
+
+    def report(self, console: Console) -> None:
+        if not self.steps:
+            return
+        span = f"{self.steps[0]}-{self.steps[-1]}" if len(self.steps) > 1 else str(self.steps[0])
+        same = ("the same batches (fingerprints match)" if not self.mismatched else
+                f"[yellow]different batches at steps {self.mismatched}[/] (non-deterministic sampling)")
+        console.print(f"steps {span} had been trained before the interruption and were recomputed from the "
+                      f"checkpoint: {same}; their metrics stay as first logged")
+        _set_tags({"stapoctl.replayed_steps": span,
+                   **({"stapoctl.replay_mismatch": ",".join(map(str, self.mismatched))} if self.mismatched else {})})
+
+
+def _set_tags(tags: dict) -> None:
+    """Through the run's journal when one is active (never blocks a step), else MLflow directly."""
+    from stapoctl.tracking.metric_buffer import active
+
+    buffer = active()
+    if buffer is not None:
+        buffer.set_tags(tags)
+    else:
+        import mlflow
+
+        mlflow.set_tags(tags)
 
 
 def _validate(conf, engines, scorer, val_sets, step: int) -> dict:
@@ -521,7 +707,7 @@ def validation_sets(conf: DictConfig, tokenizer, tokenizer_path: str, model_len:
 
 
 def _log_samples(conf, batch, step: int) -> None:
-    import mlflow
+    from stapoctl.tracking.metric_buffer import active
 
     n = int(conf.trainer.log_samples or 0)
     if n <= 0:
@@ -529,7 +715,13 @@ def _log_samples(conf, batch, step: int) -> None:
     lines = []
     for k in range(min(n, len(batch))):
         lines.append(f"### reward {float(batch.rewards[k]):+.0f}\n{batch.texts[k]}\n")
-    mlflow.log_text("\n".join(lines), f"samples/step_{step:06d}.md")
+    buffer = active()
+    if buffer is not None:
+        buffer.log_text("\n".join(lines), f"samples/step_{step:06d}.md")
+    else:
+        import mlflow
+
+        mlflow.log_text("\n".join(lines), f"samples/step_{step:06d}.md")
 
 
 def _save(engines, run_dir: Path, step: int, sampler_state: dict, run_id: str, base_model: str, tokenizer_dir: str,
@@ -543,6 +735,7 @@ def _save(engines, run_dir: Path, step: int, sampler_state: dict, run_id: str, b
 
     state = {
         "step": step,
+        "rollout_restarts": int(engines.rollout_restarts),
         "sampler": sampler_state,  # as of this step's batch (async runs have sampled further ahead)
         "rng": checkpoint.rng_state(),
         "mlflow_run_id": run_id,

@@ -1,14 +1,24 @@
 """The engines of a run, started once and reused every step: N vLLM rollout actors, the
 DeepSpeed learner rank(s) and the weight sync between them. vLLM's start-up and DeepSpeed's
-overlap (they are separate actors), which hides most of the ~1 min fixed cost on CPU."""
+overlap (they are separate actors), which hides most of the ~1 min fixed cost on CPU.
+
+Faults: a rollout actor whose process dies is restarted by Ray (`rollout.max_restarts`); every
+call to the rollout actors goes through `send_rollouts` + `gather_rollouts` / `push_weights`, which wait for the
+restart, give the new process the learner's current weights (a restarted vLLM holds the model
+it was built from) and re-send what was lost. Rollouts are pure functions of (weights, prompts,
+per-prompt seeds), so a re-sent rollout returns what the lost one would have. A learner rank
+holds optimizer state that only a checkpoint can restore: its death ends the run
+(`describe_actor_death` names it for the one-line error).
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -79,6 +89,12 @@ class Engines:
     sync: Any
     placement: Any
     info: dict = field(default_factory=dict)
+    weight_version: int = 0  # pushes so far; every live rollout actor holds this version
+    rollout_restarts: int = 0  # rollout actor processes Ray brought back during this run
+    worker_pids: list = field(default_factory=list)
+    restart_timeout_s: float = 600.0  # a restarted vLLM re-initialises (minutes for a big model)
+    max_restarts: int = 0
+    say: Optional[Callable[[str], None]] = None
 
     @property
     def learner(self):
@@ -90,6 +106,131 @@ class Engines:
         import ray
 
         return ray.get([getattr(h, method).remote(*args, **kwargs) for h in self.learners])[0]
+
+    # -- rollout actors that die ----------------------------------------------------------------
+    def send_rollouts(self, submit: Callable[[Any, Any], Any], jobs: Sequence[tuple[int, Any]]) -> list:
+        """`submit(worker, payload)` for each (worker index, payload) job; their refs, in order."""
+        return [submit(self.workers[w], payload) for w, payload in jobs]
+
+    def gather_rollouts(self, refs: list, submit: Callable[[Any, Any], Any], jobs: Sequence[tuple[int, Any]]) -> list:
+        """The results of `send_rollouts`, in order.
+
+        A job whose actor died, or came back without the current weights, is re-sent after
+        `recover_rollouts`; a call that is a pure function of its inputs is safe to repeat.
+        """
+        import ray
+
+        pending = dict(enumerate(refs))
+        results: dict[int, Any] = {}
+        for attempt in range(_MAX_RESENDS + 1):
+            failed = []
+            for j, ref in pending.items():
+                try:
+                    results[j] = ray.get(ref)
+                except Exception as exc:
+                    if not is_rollout_loss(exc):
+                        raise
+                    failed.append(j)
+            if not failed:
+                return [results[j] for j in range(len(jobs))]
+            self.recover_rollouts()
+            pending = {j: submit(self.workers[jobs[j][0]], jobs[j][1]) for j in failed}
+        raise RuntimeError(f"rollout calls kept failing after {_MAX_RESENDS} recoveries")
+
+    def push_weights(self) -> dict:
+        """The learner's weights to every rollout actor, then a check (one `info` round trip,
+        ~ms) that each live actor holds them: one that died meanwhile, or between two steps,
+        is waited for, counted and given them now instead of sampling with its base model."""
+        self.weight_version += 1
+        out: dict = {}
+        try:
+            out = self.sync.push()
+        except Exception as exc:
+            if not is_rollout_loss(exc):
+                raise
+        self.recover_rollouts()
+        return out
+
+    def push_weights_async(self) -> None:
+        """Start a push and return (asynchronous training; see `WeightSync.push_async`). No
+        liveness check here: an `info` call would queue behind the rollouts already sent; a lost
+        actor surfaces when its rollout is gathered, or in `wait_weights`."""
+        self.wait_weights()
+        self.weight_version += 1
+        self.sync.push_async()
+
+    def wait_weights(self) -> None:
+        """Collect an asynchronous push; an actor lost meanwhile is recovered (given the weights)."""
+        try:
+            self.sync.wait()
+        except Exception as exc:
+            if not is_rollout_loss(exc):
+                raise
+            self.recover_rollouts()
+
+    def recover_rollouts(self) -> int:
+        """Wait until every rollout actor answers; give restarted ones the current weights.
+
+        Returns how many actor processes were replaced (counted by pid, so a restart between
+        two calls is counted too); a permanently dead actor (restarts used up) fails the run.
+        """
+        import ray
+
+        from stapoctl.errors import RunFailed
+
+        deadline = time.monotonic() + self.restart_timeout_s
+        infos = []
+        for i, w in enumerate(self.workers):
+            while True:
+                try:
+                    infos.append(ray.get(w.info.remote(), timeout=max(1.0, deadline - time.monotonic())))
+                    break
+                except ray.exceptions.ActorDiedError as exc:  # for good: no restart left (or none allowed)
+                    raise RunFailed(f"rollout actor {i} died and Ray did not restart it (rollout.max_restarts="
+                                    f"{self.max_restarts}): {describe_actor_death(exc)}; the run is FAILED, resume it "
+                                    "from its last checkpoint") from exc
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                    if time.monotonic() > deadline:
+                        raise RunFailed(f"rollout actor {i} did not come back within {self.restart_timeout_s:.0f} s "
+                                        f"after dying: {describe_actor_death(exc)}") from exc
+                time.sleep(0.5)
+        replaced = [i for i, info in enumerate(infos)
+                    if i < len(self.worker_pids) and info["pid"] != self.worker_pids[i]]
+        self.worker_pids = [info["pid"] for info in infos]
+        stale = [i for i, info in enumerate(infos) if info["needs_weights"] or info["weight_version"] != self.weight_version]
+        if stale:
+            self._push_to([self.workers[i] for i in stale])
+        self.rollout_restarts += len(replaced)
+        if replaced and self.say:
+            self.say(f"rollout actor(s) {', '.join(map(str, replaced))} restarted by Ray (pid now "
+                     f"{', '.join(str(self.worker_pids[i]) for i in replaced)}); the learner's weights "
+                     f"(version {self.weight_version}) were pushed to them and the lost calls re-sent")
+        return len(replaced)
+
+    def _push_to(self, workers: list) -> None:
+        """Current weights to some actors only, and their version set to the driver's count."""
+        import ray
+
+        if self.sync.method != "object_store":
+            from stapoctl.errors import RunFailed
+
+            raise RunFailed(f"a rollout actor restarted and weight_sync={self.sync.method} cannot re-link a new "
+                            "vLLM process yet: resume the run from its last checkpoint")
+        refs = [lrn.weights.remote() for lrn in self.learners]
+        ray.get([w.update_weights.remote(refs[0]) for w in workers])
+        ray.get([w.update_weight_version.remote(str(self.weight_version)) for w in workers])
+        if len(refs) > 1:
+            ray.get(refs[1:])
+
+    def learner_rank_of(self, exc: BaseException) -> Optional[int]:
+        """Which learner rank an actor error is about (None: not a learner)."""
+        actor_id = getattr(exc, "actor_id", None)
+        if actor_id is None:
+            return None
+        for rank, h in enumerate(self.learners):
+            if h._actor_id.hex() == actor_id:
+                return rank
+        return None
 
     def shutdown(self) -> None:
         """Stop vLLM inside its actors first (shared memory), then the actors themselves."""
@@ -112,6 +253,30 @@ class Engines:
                 pass
         if self.placement is not None:
             self.placement.remove()
+
+
+_MAX_RESENDS = 5
+
+
+def is_rollout_loss(exc: BaseException) -> bool:
+    """A rollout call lost to its actor dying (or coming back without the current weights)."""
+    import ray
+
+    from stapoctl.rollout.vllm_worker import StaleWeightsError
+
+    return isinstance(exc, (ray.exceptions.RayActorError, StaleWeightsError))
+
+
+def describe_actor_death(exc: BaseException) -> str:
+    """One phrase from Ray's multi-line actor error: which process, and why it went away."""
+    text = " ".join(str(exc).split())
+    pid = re.search(r"pid: (\d+)", text)
+    why = re.search(r"The actor is dead because ([^.]*)", text)
+    exit_type = re.search(r"Worker exit type: (\S+)", text)
+    parts = [f"pid {pid.group(1)}" if pid else None, why.group(1) if why else None,
+             exit_type.group(1) if exit_type else None]
+    parts = [p for p in parts if p]
+    return ", ".join(parts) if parts else text[:160]
 
 
 def start_engines(conf: DictConfig, policy_path: str, console=None) -> Engines:
@@ -152,7 +317,8 @@ def start_engines(conf: DictConfig, policy_path: str, console=None) -> Engines:
         num_threads=thread_counts(conf)[0] if not on_gpu else 0,
     )
     workers = [make_rollout_worker(spec, num_cpus=float(r.cpus_per_worker), num_gpus=rollout_gpus(r),
-                                   options=placement.rollout_options(i))
+                                   options=placement.rollout_options(i), synced=True,
+                                   max_restarts=int(r.get("max_restarts", 0) or 0))
                for i in range(int(r.num_workers))]
     learners, setup_refs = make_learner_group(policy_path, **learner_args(conf), placement=placement, wait=False)
     partial = Engines(workers=workers, learners=learners, sync=None, placement=placement)
@@ -180,4 +346,6 @@ def start_engines(conf: DictConfig, policy_path: str, console=None) -> Engines:
         "nodes": {"rollout": [w.get("node_id", "") for w in worker_info],
                   "learner": [x.get("node_id", "") for x in learner_info]},
     }
-    return Engines(workers=workers, learners=learners, sync=sync, placement=placement, info=info)
+    return Engines(workers=workers, learners=learners, sync=sync, placement=placement, info=info,
+                   worker_pids=[w["pid"] for w in worker_info], max_restarts=int(r.get("max_restarts", 0) or 0),
+                   say=(lambda msg: console.print(f"[yellow]{msg}[/]")) if console is not None else None)

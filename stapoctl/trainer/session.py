@@ -76,7 +76,7 @@ class EngineSession:
             t0 = time.perf_counter()
             args = learner_args(conf)
             ray.get([h.reset.remote(policy_path, **args) for h in self.engines.learners])
-            self.engines.sync.push()  # every vLLM actor back to the base weights
+            self.engines.push_weights()  # every vLLM actor back to the base weights
             self.engines.info["reset_s"] = time.perf_counter() - t0
             self.engines.info["reused"] = True
             self.runs += 1
