@@ -65,11 +65,15 @@ def test_metrics_are_logged_every_step(run):
     assert data.tags["stapoctl.run_dir"] == first["run_dir"]
     assert data.params["loss.name"] == "stapo"
     for key in ("actor/entropy", "actor/pg_loss", "actor/pg_clipfrac", "actor/grad_norm", "response_length/mean",
-                "critic/score/mean", "reward/accuracy", "stapo/spurious_ratio", "rollout/logprob_diff_max",
+                "critic/score/mean", "reward/accuracy", "stapo/spurious_ratio",
                 "timing_s/gen", "timing_s/ref", "timing_s/update", "timing_s/sync",
                 "perf/gen_tokens_per_s", "perf/train_tokens_per_s"):
         steps = [s for s, _ in history(run["uri"], first["run_id"], key)]
         assert steps[:TOTAL] == list(range(1, TOTAL + 1)), key
+    # the sync canary needs the learner's measuring pass: at a run's first step, every
+    # rollout.logprob_check_every steps and with each token-diagnostics step (here every 2)
+    canary = [s for s, _ in history(run["uri"], first["run_id"], "rollout/logprob_diff_max")]
+    assert {1, 2} <= set(canary) <= set(range(1, TOTAL + 1)), canary
     # the weights vLLM sampled with are the learner's: the canary stays at float noise
     assert max(v for _, v in history(run["uri"], first["run_id"], "rollout/logprob_diff_max")) < 1e-4
     val = history(run["uri"], first["run_id"], "val/toy/train/avg_at_4")

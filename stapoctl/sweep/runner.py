@@ -46,10 +46,6 @@ def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False) ->
         definition, extra = reconcile(command, store.recorded_definition(parent, uri))
     confs = check_plan(definition, extra)
     first = next(iter(confs.values()))
-    if first.cluster.name == "slurm":  # the seam for `stapoctl.launch.submit.submit_trials` (job arrays)
-        raise UserError("cluster=slurm: `stapoctl sweep` runs trials here (cluster=local) or against a Ray cluster "
-                        "(cluster=ray cluster.address=…), one after another; SLURM job arrays of a sweep's trials "
-                        "go through `stapoctl submit`")
     uri, experiment = first.tracking.uri, str(first.tracking.experiment)
     if dry_run:
         print_plan(definition, plan_trials(definition, parent.info.run_id if parent else "<sweep id>", extra), console)
@@ -67,7 +63,49 @@ def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False) ->
                   f"{{{', '.join(definition.values)}}} × seeds {list(definition.seeds)} = {len(trials)} trials"
                   + (f" · {len(trials) - len(todo)} already finished, running {len(todo)}" if parent else "")
                   + f" · MLflow {store._uri(uri)}", highlight=False)
+    if submits(first):
+        return _submit_trials(definition, sweep_id, trials, todo, uri, console)
     return _run_trials(definition, sweep_id, trials, todo, records, uri, experiment, console)
+
+
+def submits(conf) -> bool:
+    """SLURM, or a Ray cluster's job server (http://HOST:8265): the trials run there in parallel.
+    Otherwise (here, or joining a Ray cluster by its GCS address) they run one after another."""
+    address = str(conf.cluster.get("address") or "")
+    return conf.cluster.name == "slurm" or (conf.cluster.name == "ray" and address.startswith(("http://", "https://")))
+
+
+# what every submitted trial shares: the job's placement, the store, the experiment
+_SHARED = ("experiment", "cluster", "tracking.uri", "tracking.experiment")
+
+
+def _submit_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial], todo: list[Trial],
+                   uri: Optional[str], console: Console) -> int:
+    """The unfinished trials as one SLURM job array or one Ray job each, followed to the end;
+    the parent's status and the closing table then come from the children, as for local trials."""
+    from stapoctl.launch.submit import submit_trials, wait
+
+    def shared(item: str) -> bool:
+        key = override_key(item)
+        return any(key == k or key.startswith(k + ".") for k in _SHARED)
+
+    base = [o for o in todo[0].overrides if shared(o)] if todo else []
+    per_trial = [[o for o in t.overrides if not shared(o) and override_key(o) != "tracking.parent_run_id"]
+                 for t in todo]
+    if todo:
+        try:
+            rec = submit_trials(base, per_trial, sweep_id, name=f"sweep-{definition.name}", console=console)
+            console.print(f"following {len(todo)} trial(s) until they end (Ctrl-C stops following, not the jobs: "
+                          f"`stapoctl jobs` lists them)", highlight=False)
+            wait(rec, console, stream_logs=False)
+        except KeyboardInterrupt:
+            console.print(f"[yellow]stopped following; the trials keep running. The sweep's status is set by "
+                          f"`stapoctl sweep {definition.name} resume={sweep_id[:8]}` once they end[/]")
+            return 130
+        except BaseException as exc:
+            store.end_parent(sweep_id, uri, "FAILED", store.one_line(exc))
+            raise
+    return _finish(definition, sweep_id, trials, {}, uri, console)
 
 
 def reconcile(command: SweepCommand, recorded: SweepDefinition) -> tuple[SweepDefinition, tuple[str, ...]]:
