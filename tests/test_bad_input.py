@@ -42,7 +42,7 @@ ROWS = [
     ("verify_timeout_zero", ["train", "reward.verify_timeout_s=0"], "reward.verify_timeout_s=0.0"),
     ("tr_grpo_weights_swapped", ["train", "loss=tr_grpo", "loss.weight_low=2"],
      "loss.weight_low=2.0 > loss.weight_high=1.4"),
-    ("micro_batch", ["train", "learner.micro_batch_size=48"], "learner.micro_batch_size=48"),
+    ("micro_batch", ["train", "learner.micro_batch_size=6"], "learner.micro_batch_size=6"),
     ("offload_without_zero", ["train", "learner.offload_optimizer=true"], "learner.offload_optimizer=true needs"),
     ("nccl_on_cpu", ["train", "rollout.weight_sync=nccl"], "rollout.weight_sync=nccl needs GPUs"),
     ("not_a_number", ["train", "trainer.total_steps=abc"], "trainer.total_steps=abc"),
@@ -83,7 +83,7 @@ ROWS = [
      "eval.benches: aime23: unknown dataset 'aime23'"),
     # resume
     ("resume_nothing", ["train", "resume={tmp}/no_run"], "resume={tmp}/no_run: not a directory"),
-    ("resume_no_checkpoint", ["train", "resume={tmp}"], "no checkpoint under"),
+    ("resume_no_checkpoint", ["train", "resume={tmp}"], "no complete checkpoint under"),
     ("resume_unknown_run_id", ["train", "resume=0123456789abcdef0123456789abcdef"],
      "resume=0123456789abcdef0123456789abcdef: no such run, the MLflow store"),
     ("eval_model_unknown_run_id", ["eval", "--model", "0123456789abcdef0123456789abcdef"], "no such run"),

@@ -82,9 +82,13 @@ def test_step_seconds_are_intervals_after_the_warm_up_step():
 @pytest.mark.parametrize(
     "overrides, expect",
     [
-        # the embedded default: one mini-batch of 8 prompts x 8 = 64 rows, one micro-batch
-        ([], dict(per_device_train_batch_size=64, gradient_accumulation_steps=1, steps_per_generation=1,
-                  num_iterations=1, optimizer_steps_per_rollout=1)),
+        # the embedded default: 4 mini-batches of 2 prompts x 8 = 16 rows, one micro-batch each
+        ([], dict(per_device_train_batch_size=16, gradient_accumulation_steps=1, steps_per_generation=4,
+                  num_iterations=1, optimizer_steps_per_rollout=4)),
+        # the whole rollout as one mini-batch (8 prompts x 8 = 64 rows)
+        (["learner.ppo_mini_batch_size=8"], dict(per_device_train_batch_size=64, gradient_accumulation_steps=1,
+                                                 steps_per_generation=1, num_iterations=1,
+                                                 optimizer_steps_per_rollout=1)),
         # 4 mini-batches of 2 prompts (16 rows), micro-batches of 8 rows, 2 epochs
         (["learner.ppo_mini_batch_size=2", "learner.micro_batch_size=8", "learner.ppo_epochs=2"],
          dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=8,

@@ -124,11 +124,11 @@ def test_bad_input_is_one_line_naming_the_key_and_the_fix(override, expected):
     assert lines[0].startswith("error:") and expected in lines[0]
 
 
-@pytest.mark.parametrize("command", [["submit"]])
-def test_unimplemented_commands_say_so(command):
-    res = run_cli(*command)
+def test_submit_without_a_cluster_points_at_train():
+    res = run_cli("submit")
     assert res.returncode == 2
-    assert "not implemented yet" in res.stderr
+    assert res.stderr.strip() == ("error: stapoctl submit needs cluster=ray or cluster=slurm (cluster=local); "
+                                  "to run here use `stapoctl train`")
 
 
 def test_losses_command_lists_every_registered_method():

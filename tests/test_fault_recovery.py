@@ -34,7 +34,8 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]
 TOTAL, SAVE = 12, 2
 COMMON = ["data.toy.num_train=16", f"trainer.total_steps={TOTAL}", f"trainer.save_freq={SAVE}",
-          "eval.every_n_steps=0", "trainer.min_free_gb=0.01"]
+          "eval.every_n_steps=0", "trainer.min_free_gb=0.01",
+          "rollout.logprob_check_every=1"]  # the sync canary at every step (it checks restarted actors)
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 Two values × one seed × 4 steps, validating at the last step. The sweep runs as a real
 `stapoctl` process; once its second trial (on the engines the first one warmed up) has logged a
-step, the process group gets Ctrl-C (SIGINT), as a terminal sends it. Then
+step, the process group gets Ctrl-C (SIGINT), as a terminal sends it: the trial finishes its
+step, writes a checkpoint and ends KILLED, and so does the sweep. Then
 `stapoctl sweep tau_p resume=<id prefix>` runs in this process and must run only the second
-trial, on fresh engines: its first step must equal the interrupted attempt's on reused engines.
+trial, continuing its own run from that checkpoint on fresh engines.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def test_resume_runs_only_the_unfinished_trial(sweep):
     assert "1 already finished, running 1" in sweep["resume_log"]
     children = _children(client, sweep_id)
     trials = [(r.data.tags["stapoctl.trial"], r.info.status) for r in children]
-    assert sorted(trials) == [("0", "FINISHED"), ("1", "FINISHED"), ("1", "KILLED")]
+    assert sorted(trials) == [("0", "FINISHED"), ("1", "FINISHED")]  # trial 1 continued its own run
+    assert "trial 2 continues from its checkpoint" in sweep["resume_log"]
     first = next(r for r in children if r.data.tags["stapoctl.trial"] == "0")
     assert first.info.run_id in sweep["after_kill"], "trial 1 ran again"
     parent = client.get_run(sweep_id)
@@ -163,32 +165,31 @@ def test_parent_and_children_follow_the_layout(sweep):
     assert sorted(m.step for m in overhead) == [0, 1]
 
 
-def test_a_resumed_trial_on_fresh_engines_repeats_the_reused_engines_first_step(sweep):
-    """Trial 2's interrupted attempt ran on engines trial 1 had used (learner reset + weight
-    sync); its re-run after the resume started fresh ones. Step 1 must be the same work."""
+def test_the_interrupted_trial_continues_its_run_from_the_stop_checkpoint(sweep):
+    """Trial 2 was stopped after a step on engines trial 1 had used; the resume continued the
+    same child run from the checkpoint the stop wrote, on fresh engines: every step logged once."""
     client, sweep_id = sweep["client"], sweep["sweep_id"]
     runs = [r for r in _children(client, sweep_id) if r.data.tags["stapoctl.trial"] == "1"]
-    killed = next(r for r in runs if r.info.status == "KILLED")
-    rerun = next(r for r in runs if r.info.status == "FINISHED")
-    assert rerun.data.tags["stapoctl.engines_reused"] == "false"
-
-    def step1(run_id):
-        return {k: next(m.value for m in client.get_metric_history(run_id, k) if m.step == 1) for k in SAME}
-
-    a, b = step1(killed.info.run_id), step1(rerun.info.run_id)
+    assert len(runs) == 1 and runs[0].info.run_id in sweep["after_kill"]
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.data.tags["stapoctl.engines_reused"] == "false"
     for key in SAME:
-        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == list(range(1, TOTAL + 1)), key
     assert "engines reused" in sweep["log"]
 
 
 def test_compare_writes_the_table_and_figure(sweep, tmp_path):
     from rich.console import Console
 
-    from stapoctl.tracking.runs import compare_runs
+    from stapoctl.tracking.compare import compare as run_compare
 
-    finished = [r.info.run_id for r in _children(sweep["client"], sweep["sweep_id"]) if r.info.status == "FINISHED"]
     console = Console(width=160, record=True)
-    png = compare_runs(sweep["uri"], finished, console, out=str(tmp_path / "tau_p.png"))
-    assert png.is_file() and png.stat().st_size > 10_000
-    text = console.export_text()
-    assert "tau_p=2e-3-seed0" in text and "tau_p=2e-1-seed0" in text and "val/toy/train/avg_at_4" in text
+    run_compare(sweep["uri"], [sweep["sweep_id"]], console, out=str(tmp_path / "report"))
+    files = {p.name: p for p in (tmp_path / "report").iterdir()}
+    assert {"table.md", "table.csv", "table.json"} <= set(files)
+    pngs = [p for p in files.values() if p.suffix == ".png"]
+    assert pngs and all(p.stat().st_size > 10_000 for p in pngs)
+    table = files["table.md"].read_text()
+    assert "2e-3" in table and "2e-1" in table
+    logged = {a.path for a in sweep["client"].list_artifacts(sweep["sweep_id"], "compare")}
+    assert "compare/table.md" in logged

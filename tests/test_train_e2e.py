@@ -19,6 +19,7 @@ OVERRIDES = [
     f"trainer.save_freq={SAVE}",
     "eval.every_n_steps=2",
     "trainer.diagnostics_every=2",
+    "learner.ppo_mini_batch_size=8",  # one PPO update per step: the loss sees the diagnostics' π, H and h*
 ]
 SAME_AT_STEP_3 = ("batch/fingerprint", "batch/prompts_fingerprint", "critic/score/mean",
                   "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",

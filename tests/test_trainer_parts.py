@@ -95,7 +95,7 @@ def test_checkpoint_save_is_atomic_and_latest_points_at_the_newest(tmp_path):
     assert checkpoint.resolve_resume(str(tmp_path)).name == "step_000004"
     assert checkpoint.resolve_resume(str(root / "step_000002")).name == "step_000002"
     assert json.loads((root / "step_000002" / "trainer_state.json").read_text()) == {"step": 2}
-    with pytest.raises(UserError, match="resume=.*no checkpoint"):
+    with pytest.raises(UserError, match="resume=.*no complete checkpoint"):
         checkpoint.resolve_resume(str(tmp_path / "checkpoints" / "step_000002" / "model"))
     with pytest.raises(UserError, match="32-hex MLflow run id"):
         checkpoint.resolve_resume("not-a-run")
@@ -118,7 +118,7 @@ def test_rng_state_round_trips():
         (["data.train_batch_size=6", "learner.ppo_mini_batch_size=4"], "learner.ppo_mini_batch_size=4"),
         (["rollout.n=0"], "rollout.n=0"),
         (["trainer.total_steps=0"], "trainer.total_steps=0"),
-        (["learner.micro_batch_size=48"], "learner.micro_batch_size=48"),
+        (["learner.micro_batch_size=6"], "learner.micro_batch_size=6"),
         (["learner.offload_optimizer=true"], "learner.offload_optimizer=true needs learner.zero_stage"),
         (["rollout.weight_sync=nccl"], "rollout.weight_sync=nccl needs GPUs"),  # no GPU asked for
     ],

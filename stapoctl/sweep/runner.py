@@ -22,7 +22,7 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
-from stapoctl.errors import UserError
+from stapoctl.errors import RunStopped, UserError
 from stapoctl.sweep import layout, store
 from stapoctl.sweep.definition import SweepCommand, SweepDefinition, override_key, parse_command
 from stapoctl.sweep.plan import Trial, check_plan, compose_trial, plan_trials
@@ -49,6 +49,9 @@ def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False) ->
     uri, experiment = first.tracking.uri, str(first.tracking.experiment)
     if dry_run:
         print_plan(definition, plan_trials(definition, parent.info.run_id if parent else "<sweep id>", extra), console)
+        if submits(first):
+            console.print("the trials would go out as " + ("one SLURM job array" if first.cluster.name == "slurm"
+                                                           else "one Ray job each") + "; nothing was submitted")
         return 0
     if parent is not None:
         _take_over(parent, uri, command.force, console)
@@ -200,6 +203,7 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
     from stapoctl.sweep.progress import SweepView
     from stapoctl.trainer.driver import train
     from stapoctl.trainer.session import EngineSession
+    from stapoctl.trainer.signals import signal_name
 
     outcomes: dict[int, Outcome] = {}
     received: list[str] = []
@@ -223,6 +227,14 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
                             store.end_child(child_id, uri, "KILLED", stop_reason)
                         store.end_parent(sweep_id, uri, "KILLED", stop_reason)
                     raise
+                except RunStopped as exc:  # a signal: train stopped after its step, checkpointed, ended KILLED
+                    stop_reason = f"interrupted ({signal_name(exc.signum)}) during trial {trial.index + 1}"
+                    with _signals_deferred():
+                        store.end_parent(sweep_id, uri, "KILLED", stop_reason)
+                    console.print(f"[yellow]sweep {sweep_id} {stop_reason}: the trial's run ended KILLED with a "
+                                  f"checkpoint; continue with `stapoctl sweep {definition.name} "
+                                  f"resume={sweep_id[:8]}`[/]")
+                    return exc.exit_code
                 except Exception as exc:  # the trial failed: record it, go on with fresh engines
                     error = store.one_line(exc)
                     child_id = _attempt_run(sweep_id, trial, records, resume, uri, since)

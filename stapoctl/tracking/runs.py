@@ -125,7 +125,7 @@ def list_runs(uri: Optional[str], experiment: str, console: Console, max_results
         console.print("(no runs yet: `stapoctl train`)")
         return []
     console.print(table)
-    console.print("Short ids work wherever a run id is taken (compare, eval --model, train resume=).",
+    console.print("Short ids work wherever a run id is taken (compare, eval --model, resume=).",
                   style="dim", highlight=False)
     return shown
 
@@ -164,13 +164,22 @@ def sweep_view(client, sweep) -> str:
     return share
 
 
+def _unspecified(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return not host or ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
 def ui_links(uri: Optional[str], experiment: str, host: str, port: int,
              run: Optional[str] = None) -> list[tuple[str, str]]:
     """(what, URL) to print: the experiment's runs table (MLflow 3 opens an experiment on its
     GenAI overview otherwise), a view per recent sweep; or the one run / sweep asked for."""
     from stapoctl.tracking.run_ids import resolve_run_id
 
-    shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    shown_host = "127.0.0.1" if _unspecified(host) else host  # a wildcard bind is reached via loopback here
     base = f"http://{shown_host}:{port}/#/experiments"
     client = _client(uri)
     if run:
