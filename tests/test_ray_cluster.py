@@ -37,11 +37,13 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
                             start_new_session=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
 
 
-def _wait_for_nodes(address: str, count: int, timeout_s: float = 120.0) -> None:
+def _wait_for_nodes(address: str, count: int, proc: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> None:
     probe = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
              "print(len([n for n in ray.nodes() if n['Alive']]))")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc.poll() is not None:  # `ray start` refused or crashed: say why at once
+            raise RuntimeError(f"`ray start` exited {proc.returncode}: {log.read_text()[-1500:]}")
         out = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True)
         if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(count)]:
             return
@@ -55,17 +57,18 @@ def cluster(tmp_path_factory):
     temp_dir = tempfile.mkdtemp(prefix="stray", dir="/tmp")  # short: Ray's socket paths have a length limit
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    common = ["--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats"]
-    head = _start(["--head", f"--port={port}", "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}",
+    common = ["--num-cpus=1", "--disable-usage-stats"]
+    head = _start(["--head", "--include-dashboard=false", f"--port={port}", "--node-ip-address=127.0.0.1",
+                   f"--temp-dir={temp_dir}",
                    f"--object-manager-port={_free_port()}", f"--node-manager-port={_free_port()}",
                    '--resources={"rollout_node": 1}', *common], logs / "head.log")
     procs = [head]
     try:
-        _wait_for_nodes(address, 1)
+        _wait_for_nodes(address, 1, head, logs / "head.log")
         procs.append(_start([f"--address={address}", "--node-ip-address=127.0.0.1",
                              f"--object-manager-port={_free_port()}", f"--node-manager-port={_free_port()}",
                              '--resources={"learner_node": 1}', *common], logs / "worker.log"))
-        _wait_for_nodes(address, 2)
+        _wait_for_nodes(address, 2, procs[-1], logs / "worker.log")
         yield address
     finally:
         for proc in reversed(procs):

@@ -24,7 +24,7 @@ ending is rewarded, the other forks are reward-neutral phrasing, as most of an L
 The unboxed demos are the designed RL headroom: the base model gets the arithmetic right far
 more often than it boxes the result, and the rule reward only credits a boxed answer, so
 RL has a real (learnable, measurable) gap to close in minutes on a CPU. The build measures
-both and the entropy profile (`base_eval.json`; docs/TRAINING.md "The testbed").
+both and the entropy profile (`base_eval.json`; docs/RESULTS.md "The testbed").
 
 Problems are drawn without replacement from the whole (a, b, c) space with `toy.seed`:
 the held-out split (`toy`, the toy benchmark) is disjoint from the training pool (`toy-train`).
