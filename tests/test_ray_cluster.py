@@ -24,6 +24,10 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 RAY = str(Path(sys.executable).parent / "ray")
+# `ray start` turns token authentication on by default while a client's default is off: the nodes,
+# the probe and the stapoctl driver all run in token mode (the token: ~/.ray/auth_token), as the
+# README tells a user to do
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
 
 
 def _free_port() -> int:
@@ -34,7 +38,7 @@ def _free_port() -> int:
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen([RAY, "start", "--block", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+                            start_new_session=True, env={**os.environ, **RAY_ENV})
 
 
 def _wait_for_nodes(address: str, count: int, proc: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> None:
@@ -44,7 +48,8 @@ def _wait_for_nodes(address: str, count: int, proc: subprocess.Popen, log: Path,
     while time.monotonic() < deadline:
         if proc.poll() is not None:  # `ray start` refused or crashed: say why at once
             raise RuntimeError(f"`ray start` exited {proc.returncode}: {log.read_text()[-1500:]}")
-        out = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True,
+                             env={**os.environ, **RAY_ENV})
         if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(count)]:
             return
         time.sleep(2)
@@ -55,6 +60,7 @@ def _wait_for_nodes(address: str, count: int, proc: subprocess.Popen, log: Path,
 def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("ray2_logs")
     temp_dir = tempfile.mkdtemp(prefix="stray", dir="/tmp")  # short: Ray's socket paths have a length limit
+    subprocess.run([RAY, "get-auth-token", "--generate"], capture_output=True, env={**os.environ, **RAY_ENV})
     port = _free_port()
     address = f"127.0.0.1:{port}"
     common = ["--num-cpus=1", "--disable-usage-stats"]
@@ -72,11 +78,15 @@ def cluster(tmp_path_factory):
         yield address
     finally:
         for proc in reversed(procs):
-            try:
+            try:  # SIGTERM makes a node drain for up to 30 s; nothing runs on it any more
                 os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=60)
+                proc.wait(timeout=5)
             except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(proc.pid, signal.SIGKILL)
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=30)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    pass
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -84,7 +94,7 @@ def test_rollout_and_learner_run_on_different_nodes(cluster, tmp_path, shared_ho
     import mlflow
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {**os.environ, "STAPOCTL_HOME": str(shared_home.home), "COLUMNS": "120"}
+    env = {**os.environ, **RAY_ENV, "STAPOCTL_HOME": str(shared_home.home), "COLUMNS": "120"}
     env.pop("MLFLOW_TRACKING_URI", None)
     cmd = [sys.executable, "-m", "stapoctl.cli", "train", *shared_home.overrides, "trainer.total_steps=2",
            "trainer.save_freq=0", "eval.every_n_steps=0", f"cluster.address={cluster}",
