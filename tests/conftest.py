@@ -10,6 +10,7 @@ sessions (the build is cached by its config hash, so a stale model is never reus
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,8 +30,6 @@ def shared_home(tmp_path_factory) -> SimpleNamespace:
     from stapoctl.config.compose import compose_config
     from stapoctl.models.tiny import ensure_base_model
 
-    import os
-
     home = Path(os.environ["STAPOCTL_TEST_HOME"]) if os.environ.get("STAPOCTL_TEST_HOME") else \
         tmp_path_factory.mktemp("shared_home")
     mp = pytest.MonkeyPatch()
@@ -41,3 +40,31 @@ def shared_home(tmp_path_factory) -> SimpleNamespace:
     finally:
         mp.undo()
     return SimpleNamespace(home=Path(home), overrides=list(TINY_OVERRIDES), model_dir=Path(model_dir))
+
+
+@pytest.fixture(scope="session")
+def training_store(shared_home, tmp_path_factory):
+    """`with training_store("name", common) as t:` in a module fixture: see `_training_store`."""
+    return lambda name, common=(): _training_store(shared_home, tmp_path_factory, name, common)
+
+
+@contextlib.contextmanager
+def _training_store(shared_home: SimpleNamespace, tmp_path_factory, name: str, common=()):
+    """What an engine test that trains needs: its own sqlite MLflow store, STAPOCTL_HOME on the
+    shared tiny model, a recording console and `conf(extra)` = shared + common + extra overrides
+    against that store."""
+    from rich.console import Console
+
+    from stapoctl.config.compose import compose_config
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp(name) / 'mlflow.db'}"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STAPOCTL_HOME", str(shared_home.home))
+
+    def conf(extra=()):
+        return compose_config(shared_home.overrides + list(common) + list(extra) + [f"tracking.uri={uri}"])
+
+    try:
+        yield SimpleNamespace(uri=uri, conf=conf, console=Console(width=120, record=True))
+    finally:
+        mp.undo()

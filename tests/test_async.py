@@ -20,31 +20,17 @@ EXACT = ("batch/fingerprint", "critic/score/mean", "actor/pg_loss", "actor/entro
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, shared_home):
-    from rich.console import Console
-
-    from stapoctl.config.compose import compose_config
+def runs(training_store):
     from stapoctl.trainer.driver import train
     from stapoctl.trainer.session import EngineSession
 
-    uri = f"sqlite:///{tmp_path_factory.mktemp('async_store') / 'mlflow.db'}"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("STAPOCTL_HOME", str(shared_home.home))
-    console = Console(width=120, record=True)
-
-    def conf(extra):
-        return compose_config(shared_home.overrides + COMMON + extra + [f"tracking.uri={uri}"])
-
-    try:
-        with EngineSession(console) as session:
-            out = {name: train(conf(extra), console=console, session=session)["run_id"] for name, extra in (
-                ("sync", []),
-                ("async0", ["trainer.mode=async", "trainer.max_staleness=0"]),
-                ("async1", ["trainer.mode=async", "trainer.max_staleness=1"]),
-            )}
-    finally:
-        mp.undo()
-    return {**out, "uri": uri}
+    with training_store("async_store", COMMON) as t, EngineSession(t.console) as session:
+        out = {name: train(t.conf(extra), console=t.console, session=session)["run_id"] for name, extra in (
+            ("sync", []),
+            ("async0", ["trainer.mode=async", "trainer.max_staleness=0"]),
+            ("async1", ["trainer.mode=async", "trainer.max_staleness=1"]),
+        )}
+    return {**out, "uri": t.uri}
 
 
 def history(uri, run_id, key):

@@ -27,28 +27,16 @@ SAME_STEP_1 = ("batch/fingerprint", "critic/score/mean", "actor/pg_loss", "actor
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, shared_home):
-    from rich.console import Console
-
+def runs(training_store):
     from stapoctl.config.compose import compose_config
     from stapoctl.trainer.driver import train
 
-    uri = f"sqlite:///{tmp_path_factory.mktemp('scale_store') / 'mlflow.db'}"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("STAPOCTL_HOME", str(shared_home.home))
-    console = Console(width=120, record=True)
-
-    def conf(extra):
-        return compose_config(shared_home.overrides + extra + [f"tracking.uri={uri}"])
-
-    try:
-        wide = train(conf(TWO_BY_TWO), console=console)
+    with training_store("scale_store") as t:
+        wide = train(t.conf(TWO_BY_TWO), console=t.console)
         step2 = f"{wide['run_dir']}/checkpoints/step_000002"
-        resumed = train(compose_config([f"resume={step2}", f"tracking.uri={uri}"]), console=console)
-        narrow = train(conf(ONE_BY_ONE), console=console)
-    finally:
-        mp.undo()
-    return {"wide": wide, "resumed": resumed, "narrow": narrow, "uri": uri}
+        resumed = train(compose_config([f"resume={step2}", f"tracking.uri={t.uri}"]), console=t.console)
+        narrow = train(t.conf(ONE_BY_ONE), console=t.console)
+    return {"wide": wide, "resumed": resumed, "narrow": narrow, "uri": t.uri}
 
 
 def history(uri, run_id, key):

@@ -20,31 +20,18 @@ RUN_B = ["loss=stapo", "loss.tau_p=0.2", "trainer.seed=1", "learner.lr=2e-4"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, shared_home):
-    from rich.console import Console
-
-    from stapoctl.config.compose import compose_config
+def runs(training_store):
     from stapoctl.trainer.driver import train
     from stapoctl.trainer.session import EngineSession
 
-    uri = f"sqlite:///{tmp_path_factory.mktemp('session_store') / 'mlflow.db'}"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("STAPOCTL_HOME", str(shared_home.home))
-    console = Console(width=120, record=True)
-
-    def conf(extra):
-        return compose_config(shared_home.overrides + COMMON + extra + [f"tracking.uri={uri}"])
-
-    try:
-        with EngineSession(console) as session:
-            a = train(conf(RUN_A), console=console, session=session)
-            b_reused = train(conf(RUN_B), console=console, session=session)
+    with training_store("session_store", COMMON) as t:
+        with EngineSession(t.console) as session:
+            a = train(t.conf(RUN_A), console=t.console, session=session)
+            b_reused = train(t.conf(RUN_B), console=t.console, session=session)
             reused_info = dict(session.engines.info)
-        b_fresh = train(conf(RUN_B), console=console)
-    finally:
-        mp.undo()
-    return {"a": a, "b_reused": b_reused, "b_fresh": b_fresh, "uri": uri, "info": reused_info,
-            "log": console.export_text()}
+        b_fresh = train(t.conf(RUN_B), console=t.console)
+    return {"a": a, "b_reused": b_reused, "b_fresh": b_fresh, "uri": t.uri, "info": reused_info,
+            "log": t.console.export_text()}
 
 
 def first_step(uri: str, run_id: str) -> dict[str, float]:
