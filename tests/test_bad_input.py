@@ -100,7 +100,8 @@ ROWS = [
     ("eval_decoding", ["eval", "--decoding", "greedy"], "--decoding 'greedy'"),
     ("eval_limit_zero", ["eval", "--limit", "0"], "--limit 0"),
     ("eval_workers_do_not_fit", ["eval", "cluster.num_cpus=1", "rollout.num_workers=2"], "the run needs 2 CPU"),
-    # a SLURM partition sinfo does not list: tests/test_submit_slurm.py (it needs the local SLURM)
+    # a SLURM partition sinfo does not list (needs a SLURM: tests/run.sh starts a local one)
+    ("slurm_partition_unknown", ["submit", "cluster=slurm", "cluster.partition=nope"], "cluster.partition='nope'"),
 ]
 
 GPU_ROWS = {"gpus_on_cpu_machine", "learner_gpus_on_cpu_machine"}
@@ -112,8 +113,22 @@ def _params():
         marks = []
         if row_id in GPU_ROWS:
             marks.append(pytest.mark.skipif(_has_gpu(), reason="this machine has a GPU: the request is valid"))
+        if row_id.startswith("slurm_"):
+            marks.append(pytest.mark.skipif(not _has_slurm(), reason="no SLURM here (cluster/local-slurm/start.sh)"))
         out.append(pytest.param(argv, expected, id=row_id, marks=marks))
     return out
+
+
+def _has_slurm() -> bool:
+    import shutil
+    import subprocess
+
+    if not shutil.which("sinfo"):
+        return False
+    try:
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=20).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def _has_gpu() -> bool:
