@@ -39,10 +39,6 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def not_implemented(command: str) -> None:
-    fail(f"`stapoctl {command}` is not implemented yet")
-
-
 def _compose(overrides: Optional[List[str]]):
     from stapoctl.config.compose import compose_config
 
