@@ -138,13 +138,13 @@ def test_env_snapshot_carries_no_environment_secrets(monkeypatch):
 # -- bind addresses ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("host,warned", [("127.0.0.1", False), ("localhost", False), ("::1", False),
                                          ("0.0.0.0", True), ("192.168.1.5", True), ("my-host", True)])
-def test_ui_warns_when_binding_beyond_loopback(monkeypatch, host, warned):
+def test_ui_warns_when_binding_beyond_loopback(monkeypatch, tmp_path, host, warned):
     from stapoctl import cli
     from stapoctl.tracking import runs
 
     asked = {}
     monkeypatch.setattr(runs, "serve_ui", lambda uri, h, port: asked.update(host=h) or 0)
-    result = CliRunner().invoke(cli.app, ["ui", "--host", host, "--uri", "sqlite:///x.db"])
+    result = CliRunner().invoke(cli.app, ["ui", "--host", host, "--uri", f"sqlite:///{tmp_path}/x.db"])
     assert result.exit_code == 0, result.output
     assert asked["host"] == host
     assert ("warning: --host" in result.stderr) is warned, result.stderr
