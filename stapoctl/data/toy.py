@@ -35,6 +35,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Iterable
 
 from stapoctl.errors import UserError
@@ -168,17 +169,10 @@ def rebox(response: str) -> str:
     return _UNBOXED_TAIL.sub(lambda m: BOXED_END.format(m.group(1)), response)
 
 
-@dataclass(frozen=True)
-class _EvenMix:
-    """Every variant at half share: the tokenizer sees each phrasing often, whatever the demo
-    mix of a given build (the tokenizer depends on the number ranges only)."""
-
-    unboxed_fraction: float = 0.5
-    swapped_product_fraction: float = 0.5
-    swapped_sum_fraction: float = 0.5
-    semicolon_fraction: float = 0.5
-    cross_fraction: float = 0.5
-    spaced_eq_fraction: float = 0.5
+# Every variant at half share: the tokenizer sees each phrasing often, whatever the demo mix of
+# a given build (the tokenizer depends on the number ranges only). Derived from FORK_FIELDS, so
+# a new fork needs no second list.
+_EVEN_MIX = SimpleNamespace(**{name: 0.5 for name in FORK_FIELDS})
 
 
 def tokenizer_corpus(toy_cfg, instruction: str, count: int = 4000, seed: int = 0) -> list[str]:
@@ -191,7 +185,7 @@ def tokenizer_corpus(toy_cfg, instruction: str, count: int = 4000, seed: int = 0
         prob = space[rng.randrange(len(space))]
         texts.append(prob.problem + "\n" + instruction)
         texts.append(prob.solution(boxed=True))
-        texts.append(prob.write(draw_phrasing(rng, _EvenMix())))
+        texts.append(prob.write(draw_phrasing(rng, _EVEN_MIX)))
     return texts
 
 
