@@ -74,7 +74,8 @@ elif what == "learner":
     t0 = time.perf_counter(); import deepspeed; mark("learner: import deepspeed (torch loaded)", t0)
     from omegaconf import OmegaConf
     from stapoctl.config.compose import compose_config
-    from stapoctl.learner.deepspeed_learner import Learner, free_port
+    from stapoctl.learner.deepspeed_learner import Learner
+    from stapoctl.learner.engine_setup import free_port
     conf = compose_config([])
     l = Learner(0, 1)
     t0 = time.perf_counter()

@@ -62,7 +62,12 @@ def train(
 
         print_plan(conf, console)
         return
-    from stapoctl.trainer.driver import train as run_train
+    from stapoctl.launch.import_gc import paused_gc
+
+    with paused_gc():
+        import mlflow  # noqa: F401  (the driver's heaviest imports, before the run starts)
+        import ray  # noqa: F401
+        from stapoctl.trainer.driver import train as run_train
 
     run_train(conf, console=console)
 

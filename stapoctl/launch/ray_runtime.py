@@ -109,3 +109,14 @@ def shutdown_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+def runtime_context():
+    """Ray's runtime context inside a Ray process, else None.
+
+    `ray.get_runtime_context()` outside Ray starts a whole local instance (~5-10 s and a stray
+    Ray left running); engines built directly in a test or a benchmark must not pay that.
+    """
+    import ray
+
+    return ray.get_runtime_context() if ray.is_initialized() else None

@@ -92,7 +92,12 @@ class EngineSetup:
         master_port: Optional[int] = None,
     ) -> dict:
         t0 = time.perf_counter()
-        import torch
+        from stapoctl.launch.import_gc import paused_gc
+
+        with paused_gc():  # DeepSpeed + transformers imports are most of the learner's start-up
+            import torch
+            import transformers.models.qwen3.modeling_qwen3  # noqa: F401  (the tiny and Qwen3 models)
+            from transformers import AutoModelForCausalLM  # noqa: F401
 
         use_cuda = uses_cuda(learner)
         if not use_cuda:
@@ -105,11 +110,11 @@ class EngineSetup:
             MASTER_PORT=str(master_port or free_port()),
         )
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
-        import deepspeed
-
-        if not use_cuda:
+        with paused_gc():
+            import deepspeed
             import deepspeed.comm  # noqa: F401  (loads the submodule patched below)
 
+        if not use_cuda:
             # `deepspeed.comm.torch` as an attribute is torch itself; patch the submodule.
             sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
@@ -118,12 +123,10 @@ class EngineSetup:
         out = self.reset(model_path, learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
                          dtype=dtype, seed=seed, max_response_length=max_response_length)
         out["setup_s"] = time.perf_counter() - t0
-        try:
-            import ray
+        from stapoctl.launch.ray_runtime import runtime_context
 
-            out["node_id"] = ray.get_runtime_context().get_node_id()
-        except Exception:  # constructed outside Ray (tests)
-            out["node_id"] = ""
+        ctx = runtime_context()  # None: constructed outside Ray (tests, benchmarks)
+        out["node_id"] = ctx.get_node_id() if ctx is not None else ""
         return out
 
     def reset(

@@ -64,8 +64,11 @@ class EngineSpec:
 
 def make_llm(spec: EngineSpec):
     """A vLLM `LLM`; in-process single worker on CPU, normal executor on GPU."""
+    from stapoctl.launch.import_gc import paused_gc
+
     configure_env(spec.kv_cache_gb)
-    from vllm import LLM
+    with paused_gc():  # the import is most of the engine's start-up on CPU
+        from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
         model=spec.model_path,

@@ -18,6 +18,7 @@ import os
 import time
 from typing import Any, Iterable, Optional, Sequence
 
+from stapoctl.launch.ray_runtime import actor_env, runtime_context
 from stapoctl.rollout.vllm_engine import EngineSpec, Sample, cuda_available
 from stapoctl.sync.worker_extension import EXTENSION_CLS
 
@@ -208,28 +209,18 @@ class RolloutWorker:
 
 
 def _node_id() -> str:
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-    except Exception:  # not inside Ray (a test constructing the worker directly)
-        return ""
+    ctx = runtime_context()  # None: not inside Ray (a test constructing the worker directly)
+    return ctx.get_node_id() if ctx is not None else ""
 
 
 def _was_restarted() -> bool:
     """True in an actor Ray brought back after its process died (False outside Ray)."""
-    try:
-        import ray
-
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-    except Exception:
-        return False
+    ctx = runtime_context()
+    return bool(ctx is not None and ctx.was_current_actor_reconstructed)
 
 
 def rollout_env(spec: EngineSpec) -> dict[str, str]:
     """Per-actor environment: vLLM in-process on CPU (4 s start, tensors passed directly)."""
-    from stapoctl.launch.ray_runtime import actor_env
-
     extra = {"VLLM_LOGGING_LEVEL": "WARNING"}
     if not cuda_available():
         extra["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
