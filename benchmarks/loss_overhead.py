@@ -68,7 +68,8 @@ def fixed_batch(conf, model_dir: str, seed: int = 0):
 def make_learner(conf, model_dir: str, loss: str):
     from omegaconf import OmegaConf
 
-    from stapoctl.learner.deepspeed_learner import Learner, free_port
+    from stapoctl.learner.deepspeed_learner import Learner
+    from stapoctl.learner.engine_setup import free_port
 
     lrn = OmegaConf.to_container(conf.learner, resolve=True)
     lrn["lr"] = 0.0  # identical weights, identical work, every repeat

@@ -110,3 +110,25 @@ def test_trl_config_matches_the_stapoctl_config_it_is_compared_with(tmp_path):
     assert args.generation_batch_size == conf.data.train_batch_size * conf.rollout.n
     assert args.max_steps == 6 * 4 and not args.shuffle_dataset
     assert getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type) == "constant"
+
+
+def test_every_stapoctl_name_the_benchmarks_import_exists():
+    # the scripts import the package lazily, inside functions: a moved helper only fails when
+    # that row runs (free_port's move broke `bench loss_overhead` once)
+    import ast
+    import importlib
+
+    missing = []
+    for script in sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stapoctl")):
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if hasattr(module, alias.name):
+                    continue
+                try:
+                    importlib.import_module(f"{node.module}.{alias.name}")
+                except ImportError:
+                    missing.append(f"{script.name}: from {node.module} import {alias.name}")
+    assert not missing, missing
