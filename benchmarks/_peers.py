@@ -246,8 +246,9 @@ def loss_cross_check(trainer, conf) -> dict:
     """TRL's loss and stapoctl's `compute_policy_loss` on one identical batch with the same model.
 
     The last buffered micro-batch of TRL (its prompts, completions, masks and advantages) goes
-    through TRL's own `_compute_loss` and through stapoctl's loss registry
-    (on-policy: old = current log-probs). Equal values = both sides optimise the same objective.
+    through TRL's own `_compute_loss` and through stapoctl's loss registry, with TRL's own old
+    log-probs when it kept them (several optimizer steps per generation: ρ ≠ 1, the clip can bind),
+    else old = current. Equal values = both sides optimise the same objective.
     """
     import torch
 
@@ -267,7 +268,9 @@ def loss_cross_check(trainer, conf) -> dict:
         cfg = {k: v for k, v in dict(conf.loss).items()}
         name = "dapo" if str(cfg.get("loss_agg_mode", "token-mean")) == "token-mean" else "grpo"
         cfg = {k: v for k, v in cfg.items() if k in _loss_fields(name) and k != "name"}
-        ours, _ = compute_policy_loss(name, log_prob=lp, old_log_prob=lp, advantages=inputs["advantages"],
+        old = inputs.get("old_per_token_logps")
+        ours, _ = compute_policy_loss(name, log_prob=lp, old_log_prob=lp if old is None else old,
+                                      advantages=inputs["advantages"],
                                       response_mask=mask, entropy=ent, **cfg)
     # TRL normalises a micro-batch by the tokens of its whole accumulation window: scale ours the same way
     window = float(inputs["num_items_in_batch"]) if "num_items_in_batch" in inputs else float(mask.sum())

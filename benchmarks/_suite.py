@@ -25,9 +25,17 @@ HERE = Path(__file__).resolve().parent
 FIRST = ("token_stats_memory", "loss_overhead", "learning", "rl_step")
 
 
+# scripts `stapoctl bench NAME` runs, but `all` does not: they have no peer and write no row
+NOT_IN_ALL = {
+    "sweep_overhead": "per-trial overhead of a sweep on reused engines (docs/SWEEPS.md), ~6 min",
+    "sweep_summary": "a report over a finished sweep: needs its id",
+}
+
+
 def scripts() -> dict[str, Path]:
-    """Benchmark scripts: benchmarks/*.py except the shared `_` modules."""
-    found = {p.stem: p for p in sorted(HERE.glob("*.py")) if not p.stem.startswith("_")}
+    """The side-by-side benchmarks `all` runs: benchmarks/*.py except `_` modules and NOT_IN_ALL."""
+    found = {p.stem: p for p in sorted(HERE.glob("*.py"))
+             if not p.stem.startswith("_") and p.stem not in NOT_IN_ALL}
     order = [n for n in FIRST if n in found] + [n for n in found if n not in FIRST]
     return {n: found[n] for n in order}
 
