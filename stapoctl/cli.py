@@ -64,7 +64,7 @@ def train(
         return
     from stapoctl.launch.import_gc import paused_gc
 
-    with paused_gc():
+    with paused_gc("stapoctl.trainer.driver"):
         import mlflow  # noqa: F401  (the driver's heaviest imports, before the run starts)
         import ray  # noqa: F401
         from stapoctl.trainer.driver import train as run_train

@@ -48,3 +48,12 @@ def test_frozen_imports_are_released_at_exit():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
     assert "leaked" not in out.stderr, out.stderr[-2000:]
+
+
+def test_paused_gc_does_nothing_once_its_modules_are_loaded():
+    # a second engine in one process must not freeze the first one's pending garbage
+    before = gc.get_freeze_count()
+    with paused_gc("gc", "sys"):  # both loaded
+        assert gc.isenabled()
+        made = [[i] for i in range(1000)]
+    assert gc.get_freeze_count() < before + len(made)

@@ -94,7 +94,8 @@ class EngineSetup:
         t0 = time.perf_counter()
         from stapoctl.launch.import_gc import paused_gc
 
-        with paused_gc():  # DeepSpeed + transformers imports are most of the learner's start-up
+        # DeepSpeed + transformers imports are most of the learner's start-up
+        with paused_gc("transformers.models.qwen3.modeling_qwen3"):
             import torch
             import transformers.models.qwen3.modeling_qwen3  # noqa: F401  (the tiny and Qwen3 models)
             from transformers import AutoModelForCausalLM  # noqa: F401
@@ -110,7 +111,7 @@ class EngineSetup:
             MASTER_PORT=str(master_port or free_port()),
         )
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
-        with paused_gc():
+        with paused_gc("deepspeed.comm"):
             import deepspeed
             import deepspeed.comm  # noqa: F401  (loads the submodule patched below)
 

@@ -67,7 +67,7 @@ def make_llm(spec: EngineSpec):
     from stapoctl.launch.import_gc import paused_gc
 
     configure_env(spec.kv_cache_gb)
-    with paused_gc():  # the import is most of the engine's start-up on CPU
+    with paused_gc("vllm.entrypoints.llm"):  # the import is most of the engine's start-up on CPU
         from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
