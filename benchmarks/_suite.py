@@ -26,10 +26,10 @@ FIRST = ("token_stats_memory", "loss_overhead", "learning", "rl_step")
 
 
 # scripts `stapoctl bench NAME` runs, but `all` does not: they have no peer and write no row
-NOT_IN_ALL = {
-    "sweep_overhead": "per-trial overhead of a sweep on reused engines (docs/SWEEPS.md), ~6 min",
-    "sweep_summary": "a report over a finished sweep: needs its id",
-}
+NOT_IN_ALL = (
+    "sweep_overhead",  # per-trial overhead of a sweep on reused engines (docs/SWEEPS.md), ~6 min
+    "sweep_summary",  # a report over a finished sweep: needs its id
+)
 
 
 def scripts() -> dict[str, Path]:

@@ -23,13 +23,14 @@ import gc
 import sys
 from typing import Iterator
 
-_unfreeze_at_exit = False
+# give frozen objects back to the interpreter's final collection; extension modules (triton's
+# nanobind) otherwise report them as leaked at exit. Harmless when nothing was frozen.
+atexit.register(gc.unfreeze)
 
 
 @contextlib.contextmanager
 def paused_gc(*modules: str) -> Iterator[None]:
     """`modules`: what the block imports; when all are loaded already, the block runs as is."""
-    global _unfreeze_at_exit
     if modules and all(name in sys.modules for name in modules):
         yield
         return
@@ -41,8 +42,3 @@ def paused_gc(*modules: str) -> Iterator[None]:
         gc.freeze()
         if was_enabled:
             gc.enable()
-        if not _unfreeze_at_exit:
-            # give the frozen objects back to the interpreter's final collection; extension
-            # modules (triton's nanobind) otherwise report them as leaked at exit
-            atexit.register(gc.unfreeze)
-            _unfreeze_at_exit = True
