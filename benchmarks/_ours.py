@@ -68,7 +68,8 @@ def step_seconds(step_end_ms: dict[int, int], skip: int = 1) -> list[float]:
 
 
 def train_worker(p: dict) -> dict:
-    """One `train(conf)` in this process; engines' start-up info captured by wrapping start_engines."""
+    """One `train(conf)` in this process; engines' start-up info captured from `EngineLaunch.ready`
+    (`engines_s`: Ray start → every actor up, the driver's own set-up running meanwhile)."""
     from rich.console import Console
 
     import stapoctl.trainer.engines as engines_mod
@@ -76,16 +77,14 @@ def train_worker(p: dict) -> dict:
     from stapoctl.trainer.driver import train
 
     info: dict[str, Any] = {}
-    original = engines_mod.start_engines
+    original = engines_mod.EngineLaunch.ready
 
-    def observed(*a, **kw):
-        t0 = time.perf_counter()
-        eng = original(*a, **kw)
+    def observed(launch):
+        eng = original(launch)
         info.update({k: v for k, v in eng.info.items() if isinstance(v, (int, float, str, bool))})
-        info["start_engines_s"] = time.perf_counter() - t0
         return eng
 
-    engines_mod.start_engines = observed
+    engines_mod.EngineLaunch.ready = observed
     conf = compose_config(p["overrides"])
     t0 = time.perf_counter()
     summary = train(conf, console=Console(file=open(os.devnull, "w")))

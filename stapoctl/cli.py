@@ -65,11 +65,11 @@ def train(
     from stapoctl.launch.import_gc import paused_gc
 
     with paused_gc("stapoctl.trainer.driver"):
-        import mlflow  # noqa: F401  (the driver's heaviest imports, before the run starts)
-        import ray  # noqa: F401
+        import ray  # noqa: F401  (the driver's heaviest import before the engines start; mlflow's follows them)
         from stapoctl.trainer.driver import train as run_train
 
     run_train(conf, console=console)
+    _exit_now()
 
 
 @app.command(name="eval")
@@ -304,9 +304,32 @@ def losses() -> None:
     console.print(table)
 
 
+_AS_PROCESS = False  # set by `main`: this interpreter is the `stapoctl` process itself
+
+
+def _exit_now(code: int = 0) -> None:
+    """Leave a finished command without Python's finalisation: it tears down the torch, Ray and
+    MLflow modules and collects the whole heap, ~1.5 s on 2 cores, for memory the OS reclaims
+    at exit anyway. The atexit handlers still run, and nothing is skipped while a non-daemon
+    thread is alive. Only as the `stapoctl` process: never inside a test's CliRunner."""
+    import atexit
+    import os
+    import threading
+
+    if not _AS_PROCESS or any(t.is_alive() and not t.daemon for t in threading.enumerate()
+                              if t is not threading.main_thread()):
+        return
+    atexit._run_exitfuncs()  # CPython's own exit path calls this too
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main() -> None:
     from stapoctl.errors import RunFailed, RunStopped, UserError
 
+    global _AS_PROCESS
+    _AS_PROCESS = True
     try:
         app()
     except UserError as exc:

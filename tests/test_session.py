@@ -61,3 +61,41 @@ def test_the_second_run_reused_the_engines(runs):
     client = mlflow.MlflowClient(runs["uri"])
     statuses = {client.get_run(runs[k]["run_id"]).info.status for k in ("a", "b_reused", "b_fresh")}
     assert statuses == {"FINISHED"}
+
+
+def _engine_processes() -> list:
+    import psutil
+
+    out = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "ray::RolloutWorker" in cmd or "ray::Learner" in cmd:
+            out.append(proc)
+    return out
+
+
+def test_a_refusal_after_the_engines_started_leaves_nothing_running(training_store, monkeypatch):
+    """`train` starts Ray and the engine actors before it reads its data (so that set-up overlaps
+    their start-up); a refusal there is still the one-line error, and what was started is gone."""
+    import ray
+
+    from stapoctl.errors import UserError
+    from stapoctl.trainer import engines
+    from stapoctl.trainer.driver import train
+
+    launched = []
+    real = engines.launch_engines
+
+    def spy(*args, **kwargs):
+        launch = real(*args, **kwargs)
+        launched.append(len(launch.workers) + len(launch.learners))
+        return launch
+
+    monkeypatch.setattr(engines, "launch_engines", spy)
+    was_up = ray.is_initialized()
+    with training_store("refusal_store", COMMON) as t:
+        with pytest.raises(UserError, match=r"data.max_prompt_length=1 tokens: raise it"):
+            train(t.conf(["data.max_prompt_length=1"]), console=t.console)
+    assert launched == [2], "the actors were not started before the data was read: nothing was tested"
+    assert ray.is_initialized() == was_up  # the Ray it started is stopped
+    assert _engine_processes() == []

@@ -57,3 +57,28 @@ def test_paused_gc_does_nothing_once_its_modules_are_loaded():
         assert gc.isenabled()
         made = [[i] for i in range(1000)]
     assert gc.get_freeze_count() < before + len(made)
+
+
+def test_generic_tokenizer_is_what_autotokenizer_loads_and_only_for_the_generic_class(tmp_path):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from stapoctl.data.templates import generic_tokenizer, render_prompt
+    from stapoctl.models.tokenizer import train_tokenizer
+
+    corpus = [f"What is {a} * {b}? The answer is \\boxed{{{a * b}}}." for a in range(30) for b in range(30)]
+    train_tokenizer(corpus, vocab_size=300, out_dir=tmp_path / "tok")
+    light, auto = generic_tokenizer(str(tmp_path / "tok")), AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert type(light) is type(auto)
+    texts = [render_prompt("What is 12 * 7?", template="chat", instruction="Box it.", tokenizer=tok)
+             for tok in (light, auto)]
+    assert texts[0] == texts[1] and "<|im_start|>assistant" in texts[0]
+    assert light(texts, add_special_tokens=False)["input_ids"] == auto(texts, add_special_tokens=False)["input_ids"]
+    assert (light.pad_token_id, light.eos_token_id) == (auto.pad_token_id, auto.eos_token_id)
+
+    config = tmp_path / "tok" / "tokenizer_config.json"
+    saved = json.loads(config.read_text())
+    config.write_text(json.dumps({**saved, "tokenizer_class": "Qwen2Tokenizer"}))  # a model-specific class
+    assert generic_tokenizer(str(tmp_path / "tok")) is None  # → AutoTokenizer resolves it
+    assert generic_tokenizer(str(tmp_path / "missing")) is None

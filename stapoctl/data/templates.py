@@ -18,18 +18,46 @@ def user_message(problem: str, instruction: str) -> str:
     return f"{problem}\n{instruction}" if instruction else problem
 
 
+# tokenizer_config.json classes that *are* transformers' generic fast tokenizer (the embedded model's)
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 @lru_cache(maxsize=8)
 def load_tokenizer(path: str):
     """A tokenizer from a local dir or an HF id (cached: prep renders thousands of rows)."""
-    from transformers import AutoTokenizer
-
     try:
+        generic = generic_tokenizer(path)
+        if generic is not None:
+            return generic
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # OSError, ValueError, HF hub errors: all mean "cannot load it"
         raise UserError(
             f"model.path='{path}': cannot load its tokenizer for the chat template "
             f"({type(exc).__name__}); point model.path at a model dir/HF id or use --template plain"
         ) from exc
+
+
+def generic_tokenizer(path: str):
+    """The class AutoTokenizer resolves for a local dir saved as the generic fast tokenizer, loaded
+    without AutoTokenizer's import, which pulls in every model config, `generation` and
+    scikit-learn (~4 s of the driver's start-up on 2 cores). None for any other tokenizer."""
+    import json
+
+    folder = Path(path)
+    config = folder / "tokenizer_config.json"
+    if not (folder / "tokenizer.json").is_file() or not config.is_file():
+        return None
+    try:
+        name = json.loads(config.read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+    if name not in GENERIC_TOKENIZER_CLASSES:
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(folder))
 
 
 def render_prompt(problem: str, *, template: str, instruction: str, tokenizer=None) -> str:

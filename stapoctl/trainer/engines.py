@@ -236,14 +236,16 @@ class Engines:
         """Stop vLLM inside its actors first (shared memory), then the actors themselves."""
         import ray
 
-        for w in self.workers:
+        # every actor's own clean-up at once (each is a separate process), each bounded
+        calls = []
+        for actor, timeout in [*((w, 60.0) for w in self.workers), *((h, 30.0) for h in self.learners)]:
             try:
-                ray.get(w.shutdown.remote(), timeout=60)
+                calls.append((actor.shutdown.remote(), time.monotonic() + timeout))
             except Exception:
                 pass
-        for h in self.learners:
+        for ref, deadline in calls:
             try:
-                ray.get(h.shutdown.remote(), timeout=30)
+                ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
             except Exception:
                 pass
         for actor in [*self.workers, *self.learners]:
@@ -279,9 +281,74 @@ def describe_actor_death(exc: BaseException) -> str:
     return ", ".join(parts) if parts else text[:160]
 
 
-def start_engines(conf: DictConfig, policy_path: str, console=None) -> Engines:
+def start_engines(conf: DictConfig, policy_path: str, console=None) -> "Engines":
     """Ray, then the run's placement, then the vLLM actors and the learner ranks in parallel,
     then the weight-sync link."""
+    return launch_engines(conf, policy_path, console).ready()
+
+
+@dataclass
+class EngineLaunch:
+    """Engines whose actors are still starting (importing vLLM, DeepSpeed, loading weights).
+
+    `launch_engines` returns once Ray is up and the actors are created, so the driver can do its
+    own set-up (tokenizer, data, MLflow run) on the cores the actors leave idle; `ready()` waits.
+    """
+
+    conf: DictConfig
+    console: Any
+    t0: float
+    t_ray: float
+    started_ray: bool
+    method: str
+    placement: Any
+    workers: list
+    learners: list
+    setup_refs: list
+
+    def ready(self) -> Engines:
+        import ray
+
+        from stapoctl.sync.transfer import WeightSync
+
+        conf, r = self.conf, self.conf.rollout
+        try:
+            worker_info = ray.get([w.info.remote() for w in self.workers])
+            learner_info = ray.get(self.setup_refs)
+            sync = WeightSync(self.learners, self.workers, self.method, vllm_world_size=int(r.tensor_parallel_size))
+        except BaseException as exc:
+            self.abort()
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, UserError):
+                raise cause from None
+            raise
+        info = {
+            "ray_s": self.t_ray,
+            "engines_s": time.perf_counter() - self.t0,
+            "vllm_init_s": max(w["init_s"] for w in worker_info),
+            "learner_setup_s": max(x["setup_s"] for x in learner_info),
+            "sync_method": self.method,
+            "pad_token_id": worker_info[0]["pad_token_id"],
+            "eos_token_id": worker_info[0]["eos_token_id"],
+            "params": learner_info[0].get("params", -1),
+            "threads": dict(zip(("rollout", "learner"), thread_counts(conf))),
+            "started_ray": self.started_ray,
+            "nodes": {"rollout": [w.get("node_id", "") for w in worker_info],
+                      "learner": [x.get("node_id", "") for x in learner_info]},
+        }
+        say = (lambda msg: self.console.print(f"[yellow]{msg}[/]")) if self.console is not None else None
+        return Engines(workers=self.workers, learners=self.learners, sync=sync, placement=self.placement, info=info,
+                       worker_pids=[w["pid"] for w in worker_info], max_restarts=int(r.get("max_restarts", 0) or 0),
+                       say=say)
+
+    def abort(self) -> None:
+        """Stop the half-started actors (a failed start, or the driver's set-up failed meanwhile)."""
+        Engines(workers=self.workers, learners=self.learners, sync=None, placement=self.placement).shutdown()
+
+
+def launch_engines(conf: DictConfig, policy_path: str, console=None) -> EngineLaunch:
+    """Ray, the run's placement, then the vLLM actors and the learner ranks, created and left
+    starting in parallel (see `EngineLaunch.ready`)."""
     import ray
 
     from stapoctl.launch.placement import make_placement, rollout_gpus
@@ -289,7 +356,7 @@ def start_engines(conf: DictConfig, policy_path: str, console=None) -> Engines:
     from stapoctl.learner.deepspeed_learner import make_learner_group
     from stapoctl.rollout.vllm_engine import EngineSpec
     from stapoctl.rollout.vllm_worker import make_rollout_worker
-    from stapoctl.sync.transfer import WeightSync, choose_method
+    from stapoctl.sync.transfer import choose_method
 
     t0 = time.perf_counter()
     started_ray = ensure_ray(conf.cluster)
@@ -316,36 +383,15 @@ def start_engines(conf: DictConfig, policy_path: str, console=None) -> Engines:
         weight_transfer_backend=method if method in ("nccl", "ipc") else None,
         num_threads=thread_counts(conf)[0] if not on_gpu else 0,
     )
-    workers = [make_rollout_worker(spec, num_cpus=float(r.cpus_per_worker), num_gpus=rollout_gpus(r),
-                                   options=placement.rollout_options(i), synced=True,
-                                   max_restarts=int(r.get("max_restarts", 0) or 0))
-               for i in range(int(r.num_workers))]
-    learners, setup_refs = make_learner_group(policy_path, **learner_args(conf), placement=placement, wait=False)
-    partial = Engines(workers=workers, learners=learners, sync=None, placement=placement)
+    workers: list = []
     try:
-        worker_info = ray.get([w.info.remote() for w in workers])
-        learner_info = ray.get(setup_refs)
-        sync = WeightSync(learners, workers, method, vllm_world_size=int(r.tensor_parallel_size))
-    except BaseException as exc:
-        partial.shutdown()
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, UserError):
-            raise cause from None
+        for i in range(int(r.num_workers)):
+            workers.append(make_rollout_worker(spec, num_cpus=float(r.cpus_per_worker), num_gpus=rollout_gpus(r),
+                                               options=placement.rollout_options(i), synced=True,
+                                               max_restarts=int(r.get("max_restarts", 0) or 0)))
+        learners, setup_refs = make_learner_group(policy_path, **learner_args(conf), placement=placement, wait=False)
+    except BaseException:
+        Engines(workers=workers, learners=[], sync=None, placement=placement).shutdown()
         raise
-    info = {
-        "ray_s": t_ray,
-        "engines_s": time.perf_counter() - t0,
-        "vllm_init_s": max(w["init_s"] for w in worker_info),
-        "learner_setup_s": max(x["setup_s"] for x in learner_info),
-        "sync_method": method,
-        "pad_token_id": worker_info[0]["pad_token_id"],
-        "eos_token_id": worker_info[0]["eos_token_id"],
-        "params": learner_info[0].get("params", -1),
-        "threads": dict(zip(("rollout", "learner"), thread_counts(conf))),
-        "started_ray": started_ray,
-        "nodes": {"rollout": [w.get("node_id", "") for w in worker_info],
-                  "learner": [x.get("node_id", "") for x in learner_info]},
-    }
-    return Engines(workers=workers, learners=learners, sync=sync, placement=placement, info=info,
-                   worker_pids=[w["pid"] for w in worker_info], max_restarts=int(r.get("max_restarts", 0) or 0),
-                   say=(lambda msg: console.print(f"[yellow]{msg}[/]")) if console is not None else None)
+    return EngineLaunch(conf=conf, console=console, t0=t0, t_ray=t_ray, started_ray=started_ray, method=method,
+                        placement=placement, workers=workers, learners=learners, setup_refs=setup_refs)

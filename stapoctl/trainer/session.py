@@ -51,6 +51,9 @@ class EngineSession:
         self.scorer_key: Optional[str] = None
         self.started_ray = False
         self.runs = 0
+        self._launch: Any = None  # engines starting for `_launch_key` (see `prepare`)
+        self._launch_key: Optional[str] = None
+        self._launch_error: Optional[BaseException] = None
 
     def __enter__(self) -> "EngineSession":
         return self
@@ -58,20 +61,45 @@ class EngineSession:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def prepare(self, conf: DictConfig, policy_path: str) -> None:
+        """Start what `acquire` will need and return without waiting: Ray and the engine actors
+        (when the running ones do not fit `conf`) and the verifier pool. The driver prepares
+        its data and MLflow run meanwhile, on the cores the actors' start-up leaves idle.
+
+        A failure to start is kept and raised by `acquire`, inside the run's MLflow record.
+        """
+        import ray
+
+        from stapoctl.trainer.engines import launch_engines
+
+        self._ensure_scorer(conf)
+        key = engine_key(conf, policy_path)
+        if (self.engines is not None and key == self.key) or (self._launch is not None and key == self._launch_key):
+            return
+        self._cancel_launch()
+        self._stop_engines()
+        try:
+            was_up = ray.is_initialized()
+            with self.console.status("starting Ray and the engine actors…"):
+                self._launch, self._launch_key = launch_engines(conf, policy_path, self.console), key
+            self.started_ray = self.started_ray or not was_up
+        except Exception as exc:
+            self.started_ray = self.started_ray or ray.is_initialized()
+            self._launch_error, self._launch_key = exc, key
+
     def acquire(self, conf: DictConfig, policy_path: str) -> tuple[Any, Any]:
         """Engines ready for a new run of `conf` starting from `policy_path`'s weights."""
         import ray
 
-        from stapoctl.reward.pool import RewardPool
-        from stapoctl.trainer.engines import learner_args, start_engines
+        from stapoctl.trainer.engines import learner_args
 
-        reward_key = repr(OmegaConf.to_container(conf.reward, resolve=True))
-        if self.scorer is not None and reward_key != self.scorer_key:
-            self.scorer.close()
-            self.scorer = None
-        if self.scorer is None:
-            self.scorer, self.scorer_key = RewardPool(conf.reward), reward_key
+        self._ensure_scorer(conf)
         key = engine_key(conf, policy_path)
+        if self._launch_key is not None and self._launch_key != key:
+            self._cancel_launch()  # prepared for another config
+        if self._launch_error is not None:
+            exc, self._launch_error, self._launch_key = self._launch_error, None, None
+            raise exc
         if self.engines is not None and key == self.key:
             t0 = time.perf_counter()
             args = learner_args(conf)
@@ -81,16 +109,33 @@ class EngineSession:
             self.engines.info["reused"] = True
             self.runs += 1
             return self.engines, self.scorer
-        self._stop_engines()
-        with self.console.status(f"starting Ray, {conf.rollout.num_workers} vLLM rollout actor(s) and "
+        if self._launch is None:
+            self.prepare(conf, policy_path)
+            if self._launch_error is not None:
+                return self.acquire(conf, policy_path)
+        launch, self._launch, self._launch_key = self._launch, None, None
+        with self.console.status(f"starting {conf.rollout.num_workers} vLLM rollout actor(s) and "
                                  f"{conf.learner.num_ranks} DeepSpeed learner rank(s) (ZeRO-{conf.learner.zero_stage})…"):
-            was_up = ray.is_initialized()
-            self.engines = start_engines(conf, policy_path, self.console)
-            self.started_ray = self.started_ray or not was_up
+            self.engines = launch.ready()
         self.engines.info["reused"] = False
         self.key = key
         self.runs += 1
         return self.engines, self.scorer
+
+    def _ensure_scorer(self, conf: DictConfig) -> None:
+        from stapoctl.reward.pool import RewardPool
+
+        reward_key = repr(OmegaConf.to_container(conf.reward, resolve=True))
+        if self.scorer is not None and reward_key != self.scorer_key:
+            self.scorer.close()
+            self.scorer = None
+        if self.scorer is None:
+            self.scorer, self.scorer_key = RewardPool(conf.reward), reward_key
+
+    def _cancel_launch(self) -> None:
+        launch, self._launch, self._launch_key, self._launch_error = self._launch, None, None, None
+        if launch is not None:
+            launch.abort()
 
     def discard(self) -> None:
         """Forget the engines after a failed run: they may hold a half-finished step."""
@@ -106,6 +151,7 @@ class EngineSession:
     def close(self) -> None:
         """vLLM first (shared memory), then the actors, the verifier pool and the Ray we started."""
         try:
+            self._cancel_launch()
             self._stop_engines()
         finally:
             if self.scorer is not None:
