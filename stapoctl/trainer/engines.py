@@ -232,13 +232,18 @@ class Engines:
                 return rank
         return None
 
-    def shutdown(self) -> None:
-        """Stop vLLM inside its actors first (shared memory), then the actors themselves."""
+    def shutdown(self, grace_s: Optional[float] = None) -> None:
+        """Stop vLLM inside its actors first (shared memory), then the actors themselves.
+
+        `grace_s` bounds the wait for each actor's own clean-up (default 60 s for vLLM, 30 s for a
+        learner); an actor still inside its constructor cannot answer before it finishes, and
+        is killed when the grace runs out."""
         import ray
 
         # every actor's own clean-up at once (each is a separate process), each bounded
         calls = []
-        for actor, timeout in [*((w, 60.0) for w in self.workers), *((h, 30.0) for h in self.learners)]:
+        for actor, timeout in [*((w, grace_s or 60.0) for w in self.workers),
+                               *((h, grace_s or 30.0) for h in self.learners)]:
             try:
                 calls.append((actor.shutdown.remote(), time.monotonic() + timeout))
             except Exception:
@@ -342,8 +347,11 @@ class EngineLaunch:
                        say=say)
 
     def abort(self) -> None:
-        """Stop the half-started actors (a failed start, or the driver's set-up failed meanwhile)."""
-        Engines(workers=self.workers, learners=self.learners, sync=None, placement=self.placement).shutdown()
+        """Stop the half-started actors (a failed start, or the driver's set-up failed meanwhile).
+
+        A short grace: an actor still importing vLLM would only answer once its constructor is
+        done (~10 s here), which would hold back the refusal the user is waiting for."""
+        Engines(workers=self.workers, learners=self.learners, sync=None, placement=self.placement).shutdown(grace_s=3.0)
 
 
 def launch_engines(conf: DictConfig, policy_path: str, console=None) -> EngineLaunch:
