@@ -167,11 +167,60 @@ def test_resume_keeps_the_runs_config_and_applies_new_overrides():
 
 def test_packed_weights_round_trip_bit_exactly():
     """The multiprocess-engine fallback of the CPU sync: bytes + dtype + shape, no tensor pickling."""
-    from stapoctl.sync.worker_extension import _unpack, pack_for_rpc
+    from stapoctl.sync.worker_extension import pack_for_rpc, unpack
 
     named = [("w", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("s", torch.tensor(2.5))]
     packed = pack_for_rpc(named)
     assert all(isinstance(raw, bytes) for _, raw, _, _ in packed)
     for (name, t), item in zip(named, packed):
-        got_name, got = _unpack(item)
+        got_name, got = unpack(item)
         assert got_name == name and got.dtype == t.dtype and torch.equal(got, t)
+
+
+@pytest.mark.engine
+def test_learner_weight_payload_survives_ray_bit_exactly_and_is_read_in_place():
+    """The learner's sync payload (numpy views of the raw bytes, bf16 included) through a real
+    Ray object store: the reader gets the same values, as a view of the store's pages (no copy)."""
+    import numpy as np
+    import ray
+
+    from stapoctl.launch.ray_runtime import ensure_ray
+    from stapoctl.sync.worker_extension import unpack
+
+    named = [("w", torch.randn(64, 32)), ("b", torch.randn(7).to(torch.bfloat16)), ("s", torch.tensor(2.5))]
+    payload = [(k, v.reshape(-1).view(torch.uint8).numpy(), str(v.dtype).removeprefix("torch."), list(v.shape))
+               for k, v in named]
+    started = ensure_ray()
+    try:
+        back = ray.get(ray.put(payload))
+        for (name, t), item in zip(named, back):
+            got_name, got = unpack(item)
+            assert got_name == name and got.dtype == t.dtype and torch.equal(got, t)
+        big = back[0][1]
+        assert isinstance(big, np.ndarray) and not big.flags.writeable  # mapped from the store, not copied
+        assert unpack(back[0])[1].data_ptr() == big.ctypes.data
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def test_trimmed_drops_only_the_columns_that_are_padding_in_every_row():
+    """Rows 0-1 of a batch padded to the widest prompt (5) and response (4) of all its rows: the
+    sub-batch keeps prompt width 3 (the right end of the left-padded prompts) and response width 2."""
+    pad = 0
+    b = RolloutBatch.from_token_lists(
+        [[7, 8], [5, 6, 7], [1, 2, 3, 4, 5]], [[[11]], [[12, 13]], [[14, 15, 16, 17]]],
+        [[[-0.1]], [[-0.2, -0.3]], [[-0.4, -0.5, -0.6, -0.7]]], [[False]] * 3, [["a"], ["b"], ["c"]], pad_id=pad)
+    b = b.with_(advantages=torch.tensor([1.0, -1.0, 0.5]), old_log_probs=b.rollout_log_probs.clone())
+    sub = b.select(slice(0, 2))
+    assert (sub.prompt_length, sub.response_length) == (5, 4)
+    t = sub.trimmed()
+    assert (t.prompt_length, t.response_length) == (3, 2)
+    assert t.prompt_ids.tolist() == [[pad, 7, 8], [5, 6, 7]]
+    assert t.response_ids.tolist() == [[11, pad], [12, 13]]
+    assert torch.equal(t.old_log_probs, torch.tensor([[-0.1, 0.0], [-0.2, -0.3]]))
+    assert t.advantages.tolist() == [1.0, -1.0] and t.texts == ["a", "b"]
+    # the model sees the same tokens at the same positions: only all-padding columns went
+    assert t.position_ids()[:, -2:].tolist() == sub.position_ids()[:, 5:7].tolist()
+    assert t.input_ids()[t.attention_mask().bool()].tolist() == sub.input_ids()[sub.attention_mask().bool()].tolist()
+    assert b.trimmed() is b  # nothing to drop

@@ -108,3 +108,27 @@ def test_logprob_diff_canary_detects_a_skipped_sync(engines):
     sync.push()
     again = step(3)
     assert again["rollout/logprob_diff_max"] < 1e-4
+
+
+def test_a_sync_invalidates_the_prefix_cache(engines):
+    """Prefix caching is on: the n samples of a prompt share its prompt's KV blocks (16 tokens
+    each). A prompt sampled before a sync must not reuse KV computed with the old weights after
+    it: vLLM's sampled-token log-probs after the sync equal the learner's."""
+    import ray
+
+    worker, learner, sync, pad = engines["worker"], engines["learner"], engines["sync"], engines["pad"]
+    sync.push()
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 500, (k,), generator=g).tolist() for k in (40, 35)]  # 2+ full blocks each
+
+    def rollout(seed):
+        batch, _ = ray.get(worker.rollout.remote(prompts, n=N, temperature=1.0, top_p=1.0, max_tokens=8,
+                                                 seed=seed, pad_id=pad))
+        return batch, ray.get(learner.compute_log_probs.remote(batch))["log_prob"]
+
+    batch, lp = rollout(1)  # fills the cache with the prompts' blocks
+    assert masked_max_diff(batch.rollout_log_probs, lp, batch.response_mask) < 1e-4
+    ray.get(learner.perturb_weights.remote(0.05, seed=11))
+    sync.push()
+    batch, lp = rollout(2)
+    assert masked_max_diff(batch.rollout_log_probs, lp, batch.response_mask) < 1e-4

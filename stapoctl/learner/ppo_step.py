@@ -26,7 +26,24 @@ class PPOStep:
 
     # -- forward ---------------------------------------------------------------------------
     def _token_stats(self, mb):
-        """(entropy, log_prob, sum_p2) [n, R] of the response tokens; log_prob carries grads."""
+        """(entropy, log_prob, sum_p2) [n, R] of the response tokens; log_prob carries grads.
+
+        The forward runs on the micro-batch's own widths (`RolloutBatch.trimmed`); the results
+        are padded back to the batch's R with zeros, on positions every loss masks out. Not under
+        ZeRO-3: there a STAPO update over several mini-batches drifted from the untrimmed one
+        (pg_loss of the later mini-batches ~5% off in tests/test_learner_ranks.py, although each
+        micro-batch's statistics and a single optimizer step matched exactly); cause not found."""
+        import torch
+
+        full_r = mb.response_length
+        if self.zero_stage != 3:
+            mb = mb.trimmed()
+        stats = self._token_stats_on(mb)
+        if mb.response_length == full_r:
+            return stats
+        return tuple(torch.nn.functional.pad(t, (0, full_r - mb.response_length)) for t in stats)
+
+    def _token_stats_on(self, mb):
         import torch
 
         from stapoctl.losses import token_stats
@@ -195,12 +212,16 @@ class PPOStep:
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
         norm = None
         if boundary and self.zero_stage == 0:
-            # ZeRO-0 clips without recording the norm; measure it before the step clips it
-            # (at the boundary the gradients are already all-reduced, so every rank sees the global norm).
+            # ZeRO-0 keeps no norm: measure it before the step (at the boundary the gradients are
+            # already all-reduced, so every rank sees the global norm). In fp32 the learner clips
+            # here too, with the norm it just took (`clips_itself`; DeepSpeed's clip is off).
             import torch
 
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            total = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+            if params and getattr(self, "clip", None):
+                torch.nn.utils.clip_grads_with_norm_(params, self.clip, total)
+            norm = float(total)
         self.engine.step()
         return norm
 

@@ -160,8 +160,10 @@ class RolloutWorker:
             self.llm.collective_rpc("update_weights", kwargs={"update_info": named_tensors.update_info})
             count = -1
         else:
+            from stapoctl.sync.worker_extension import unpack
+
             items: Iterable = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-            payload = list(items)
+            payload = [unpack(item) for item in items]
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
                 from stapoctl.sync.worker_extension import pack_for_rpc
 

@@ -25,21 +25,32 @@ def pack_for_rpc(named_tensors: Iterable[tuple[str, "object"]]) -> list[tuple[st
     return out
 
 
-def _unpack(item) -> tuple[str, "object"]:
+def unpack(item) -> tuple[str, "object"]:
+    """(name, tensor) from (name, tensor), or from (name, raw bytes, dtype, shape) where the bytes
+    are a numpy uint8 array (the learner's payload, read in place from Ray's object store: the
+    tensor is a read-only view, which the loader only copies from) or `bytes` (the RPC payload)."""
+    import warnings
+
+    import numpy as np
     import torch
 
     if len(item) == 2:
         name, tensor = item
         return name, tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
     name, raw, dtype, shape = item
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if isinstance(raw, np.ndarray):
+        with warnings.catch_warnings():  # "not writable": the object store's pages are read-only
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(raw)
+    else:
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     return name, flat.view(getattr(torch, dtype)).reshape(shape)
 
 
 class WeightSyncExtension:
     def stapo_load_weights(self, named_tensors: Iterable) -> int:
         """Load (name, tensor) or packed (name, bytes, dtype, shape) items in place; returns how many."""
-        items = [_unpack(item) for item in named_tensors]
+        items = [unpack(item) for item in named_tensors]
         self.reload_weights(weights_iterator=iter(items))
         return len(items)
 

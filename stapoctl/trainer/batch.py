@@ -158,6 +158,26 @@ class RolloutBatch:
                 out[f.name] = v[rows]
         return RolloutBatch(**out)
 
+    def trimmed(self) -> "RolloutBatch":
+        """This batch without the columns that are padding in every row (the left of the prompts,
+        the right of the responses). A sub-batch keeps the whole batch's widths; its own are
+        often much smaller (one long sample sets R for all 64 rows), and the learner's forward
+        and backward cost grows with the width."""
+        p = max(int(self.prompt_mask.sum(dim=1).max()) if len(self) else 0, 1)
+        r = max(int(self.response_mask.sum(dim=1).max()) if len(self) else 0, 1)
+        if p >= self.prompt_length and r >= self.response_length:
+            return self
+        cut_p, cut_r = slice(self.prompt_length - min(p, self.prompt_length), None), slice(0, r)
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("prompt_ids", "prompt_mask"):
+                v = v[:, cut_p]
+            elif isinstance(v, Tensor) and v.dim() == 2:  # every other 2-D field is [N, R]
+                v = v[:, cut_r]
+            out[f.name] = v
+        return RolloutBatch(**out)
+
     def with_(self, **changes: Any) -> "RolloutBatch":
         return replace(self, **changes)
 
