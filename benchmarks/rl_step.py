@@ -49,6 +49,8 @@ def _median(xs):
 
 
 def measure(size: str, repeats: int, console) -> tuple[list[dict], dict]:
+    from stapoctl.trainer.engines import thread_counts
+
     conf0 = _peers.compose(BASE_OVERRIDES)
     mdir = _peers.model_dir(size, conf0)
     overrides = BASE_OVERRIDES + ([] if size == "tiny" else [f"model.path={mdir}"])
@@ -128,9 +130,9 @@ def measure(size: str, repeats: int, console) -> tuple[list[dict], dict]:
                 H.check("sampling", True, f"T={conf.rollout.temperature} top_p={conf.rollout.top_p} top_k off, "
                                           f"≤{conf.rollout.max_response_length} new"), dtype_check, load.check()],
         notes=f"ratio of the best calls {H.min_ratio(ours_tps, peer_tps, False) or float('nan'):.2f}×; "
-              f"{conf.data.train_batch_size} prompts × {conf.rollout.n}; stapoctl: timing_s/gen (Ray call + "
-              f"RolloutBatch packing included, vLLM actor on 1 CPU); transformers: TRL's generate call "
-              f"({peer['torch_threads']} threads).",
+              f"{conf.data.train_batch_size} prompts × {conf.rollout.n}; stapoctl: timing_s/gen (the rollout "
+              f"actor's vLLM generate call, {thread_counts(conf)[0]} threads in the synchronous loop, 32-token "
+              f"KV blocks with prefix caching); transformers: TRL's generate call ({peer['torch_threads']} threads).",
     ))
     sync = _vals(m.get("timing_s/sync", {}), measured)
     ratio = (_median(sync) / _median(copy["copy_s"])) if sync and copy["copy_s"] else None
