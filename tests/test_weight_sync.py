@@ -111,15 +111,16 @@ def test_logprob_diff_canary_detects_a_skipped_sync(engines):
 
 
 def test_a_sync_invalidates_the_prefix_cache(engines):
-    """Prefix caching is on: the n samples of a prompt share its prompt's KV blocks (16 tokens
-    each). A prompt sampled before a sync must not reuse KV computed with the old weights after
-    it: vLLM's sampled-token log-probs after the sync equal the learner's."""
+    """Prefix caching is on: the n samples of a prompt share its prompt's full KV blocks (32
+    tokens each on CPU). A prompt sampled before a sync must not reuse KV computed with the old
+    weights after it: vLLM's sampled-token log-probs after the sync equal the learner's. (Without
+    the reset in `RolloutWorker._after_update` the second check fails by ~1.7 nats.)"""
     import ray
 
     worker, learner, sync, pad = engines["worker"], engines["learner"], engines["sync"], engines["pad"]
     sync.push()
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 500, (k,), generator=g).tolist() for k in (40, 35)]  # 2+ full blocks each
+    prompts = [torch.randint(3, 500, (k,), generator=g).tolist() for k in (40, 35)]  # one full 32-token block each
 
     def rollout(seed):
         batch, _ = ray.get(worker.rollout.remote(prompts, n=N, temperature=1.0, top_p=1.0, max_tokens=8,

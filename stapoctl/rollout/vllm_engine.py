@@ -97,9 +97,9 @@ def make_llm(spec: EngineSpec):
         kwargs["max_num_batched_tokens"] = max(spec.max_model_len, 8192)
         # vLLM-CPU's default block is 128 tokens, longer than a toy or short math prompt, so no
         # block is ever full and prefix caching shares nothing; 32 is the smallest its attention
-        # kernel takes. With it a 25M rollout of 8 prompts x 8 took 0.91 s instead of 1.28 s here,
-        # the tiny one 0.077 s instead of 0.083-0.099 s, with the same tokens and log-probs bit for
-        # bit (`python benchmarks/_vllm_modes.py --size 25m --modes eager,eager-block128`).
+        # kernel takes. With it a 25M rollout of 8 prompts x 8 took 0.92 s instead of 1.15 s here,
+        # with the same tokens and log-probs bit for bit
+        # (`python benchmarks/_vllm_modes.py --size 25m --modes eager,eager-block128`).
         kwargs["block_size"] = 32
     if spec.worker_extension_cls:
         kwargs["worker_extension_cls"] = spec.worker_extension_cls
