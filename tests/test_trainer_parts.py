@@ -185,11 +185,10 @@ def test_learner_weight_payload_survives_ray_bit_exactly_and_is_read_in_place():
     import ray
 
     from stapoctl.launch.ray_runtime import ensure_ray
-    from stapoctl.sync.worker_extension import unpack
+    from stapoctl.sync.worker_extension import raw_views, unpack
 
     named = [("w", torch.randn(64, 32)), ("b", torch.randn(7).to(torch.bfloat16)), ("s", torch.tensor(2.5))]
-    payload = [(k, v.reshape(-1).view(torch.uint8).numpy(), str(v.dtype).removeprefix("torch."), list(v.shape))
-               for k, v in named]
+    payload = raw_views(named)  # what StateIO.weights returns
     started = ensure_ray()
     try:
         back = ray.get(ray.put(payload))

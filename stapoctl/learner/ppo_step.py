@@ -219,7 +219,7 @@ class PPOStep:
 
             params = [p for p in self.module.parameters() if p.grad is not None]
             total = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
-            if params and getattr(self, "clip", None):
+            if params and self.clip:
                 torch.nn.utils.clip_grads_with_norm_(params, self.clip, total)
             norm = float(total)
         self.engine.step()

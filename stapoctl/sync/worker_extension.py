@@ -13,16 +13,23 @@ from typing import Iterable
 EXTENSION_CLS = "stapoctl.sync.worker_extension.WeightSyncExtension"
 
 
-def pack_for_rpc(named_tensors: Iterable[tuple[str, "object"]]) -> list[tuple[str, bytes, str, list[int]]]:
-    """(name, raw bytes, dtype, shape): what crosses vLLM's multiprocess RPC, which cannot
-    pickle tensors ("cannot pickle memoryview objects"). The in-process engine needs none of it."""
+def raw_views(named_tensors: Iterable[tuple[str, "object"]]) -> list[tuple[str, "object", str, list[int]]]:
+    """(name, raw bytes as a numpy uint8 view, dtype, shape), bf16 included (numpy has no bf16).
+    No copy for a contiguous CPU tensor: Ray writes the views once into its object store
+    (pickle5 out-of-band buffers) and a reader on the node maps them in place (`unpack`)."""
     import torch
 
     out = []
     for name, t in named_tensors:
         t = t.detach().to("cpu").contiguous()
-        out.append((name, t.reshape(-1).view(torch.uint8).numpy().tobytes(), str(t.dtype).removeprefix("torch."), list(t.shape)))
+        out.append((name, t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), list(t.shape)))
     return out
+
+
+def pack_for_rpc(named_tensors: Iterable[tuple[str, "object"]]) -> list[tuple[str, bytes, str, list[int]]]:
+    """(name, raw bytes, dtype, shape): what crosses vLLM's multiprocess RPC, which cannot
+    pickle tensors ("cannot pickle memoryview objects"). The in-process engine needs none of it."""
+    return [(name, raw.tobytes(), dtype, shape) for name, raw, dtype, shape in raw_views(named_tensors)]
 
 
 def unpack(item) -> tuple[str, "object"]:
