@@ -1,10 +1,11 @@
 """vLLM engine modes on this CPU: what each costs at start-up and saves per rollout.
 
-    python benchmarks/_vllm_modes.py [--size tiny|25m] [--modes eager,compile,eager-block128] [--threads 2] [--calls 8]
+    python benchmarks/_vllm_modes.py [--size tiny|25m] [--modes eager,eager-dynamo,compile,eager-block128] [--threads 2] [--calls 8]
 
-Modes: `eager` (the rollout actor's engine: 32-token blocks, prefix caching), `compile`
-(the same with torch.compile), `eager-block128` (vLLM-CPU's default 128-token blocks without
-prefix caching, the engine before the change). Each mode runs in a fresh process (so engine
+Modes: `eager` (the rollout actor's engine: 32-token blocks, prefix caching, dynamo off),
+`eager-dynamo` (the same with vLLM's torch.compiled log-prob rank helper, compiled at the
+first call), `compile` (the model under torch.compile), `eager-block128` (vLLM-CPU's default
+128-token blocks without prefix caching). Each mode runs in a fresh process (so engine
 init includes the vLLM import, as in the rollout actor): `make_llm` in-process exactly as the
 actor builds it, then `--calls` rollouts, each of the next 8 toy training prompts × 8 samples,
 ≤ 48 new tokens, T = 1.0, per-prompt seeds (the trainer's call), the prefix cache reset after
@@ -30,19 +31,25 @@ import _harness as H  # noqa: E402
 import _peers  # noqa: E402
 
 
-# mode → (enforce_eager, extra engine kwargs); "eager-block128" is the engine as it was before
-# the rollout actor took 32-token blocks and prefix caching (no block of a short prompt is full)
-MODES = {"eager": (True, {}), "compile": (False, {}),
-         "eager-block128": (True, {"block_size": 128, "enable_prefix_caching": False})}
+# mode → (enforce_eager, extra engine kwargs, environment); "eager" is the rollout actor's engine
+# (`rollout_env` sets TORCHDYNAMO_DISABLE=1 in eager mode on CPU), "eager-dynamo" the same with
+# vLLM's one torch.compiled sampler helper left on (the actor before that), "eager-block128" the
+# engine before the actor took 32-token blocks and prefix caching (no block of a short prompt is full)
+NO_DYNAMO = {"TORCHDYNAMO_DISABLE": "1"}
+MODES = {"eager": (True, {}, NO_DYNAMO), "eager-dynamo": (True, {}, {}), "compile": (False, {}, {}),
+         "eager-block128": (True, {"block_size": 128, "enable_prefix_caching": False}, NO_DYNAMO)}
 
 
 def worker(p: dict) -> dict:
+    import os
+
     import torch
 
     from stapoctl.rollout.vllm_engine import EngineSpec, generate, make_llm
 
     torch.set_num_threads(int(p["threads"]))  # as the rollout actor does before vLLM is up
-    eager, extra = MODES[p["mode"]]
+    eager, extra, env = MODES[p["mode"]]
+    os.environ.update(env)  # before vLLM is imported, as in the actor's runtime_env
     t0 = time.perf_counter()
     llm = make_llm(EngineSpec(model_path=p["model"], max_model_len=int(p["max_model_len"]),
                               enforce_eager=eager, num_threads=int(p["threads"]), extra=dict(extra)))

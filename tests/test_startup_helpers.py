@@ -82,3 +82,53 @@ def test_generic_tokenizer_is_what_autotokenizer_loads_and_only_for_the_generic_
     config.write_text(json.dumps({**saved, "tokenizer_class": "Qwen2Tokenizer"}))  # a model-specific class
     assert generic_tokenizer(str(tmp_path / "tok")) is None  # → AutoTokenizer resolves it
     assert generic_tokenizer(str(tmp_path / "missing")) is None
+
+
+def test_without_full_collections_restores_the_gc_functions_even_on_error():
+    from stapoctl.rollout.vllm_worker import _without_full_collections
+
+    collect, unfreeze = gc.collect, gc.unfreeze
+    try:
+        with _without_full_collections():
+            assert gc.collect() == 0 and gc.unfreeze() is None
+            assert gc.collect is not collect
+            raise KeyError("engine shutdown failed")
+    except KeyError:
+        pass
+    assert gc.collect is collect and gc.unfreeze is unfreeze
+
+
+def test_rollout_env_turns_dynamo_off_only_for_an_eager_cpu_engine():
+    from stapoctl.rollout.vllm_engine import EngineSpec
+    from stapoctl.rollout.vllm_worker import rollout_env
+
+    assert rollout_env(EngineSpec(model_path="m"))["TORCHDYNAMO_DISABLE"] == "1"
+    assert "TORCHDYNAMO_DISABLE" not in rollout_env(EngineSpec(model_path="m", enforce_eager=False))
+
+
+def test_ray_shutdown_stops_the_monitor_first_and_leaves_nothing_running():
+    """A fresh interpreter starts a local Ray: killing its autoscaler monitor leaves the instance
+    working (a task still runs), and `shutdown_ray` then leaves no child process behind."""
+    code = """
+import psutil, ray
+from stapoctl.launch.ray_runtime import _stop_autoscaler_monitor, shutdown_ray
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+def kids():
+    return {c.pid: ' '.join(c.cmdline()) for c in psutil.Process().children() if c.is_running()
+            and c.status() != psutil.STATUS_ZOMBIE}
+before = kids()
+monitors = [p for p, cmd in before.items() if 'autoscaler/_private/monitor.py' in cmd]
+assert len(monitors) == 1, before
+_stop_autoscaler_monitor()
+psutil.Process(monitors[0]).wait(timeout=10)
+after = kids()
+assert set(after) == set(before) - set(monitors), (before, after)
+assert ray.get(ray.remote(lambda: 41 + 1).remote()) == 42
+shutdown_ray()
+psutil.wait_procs(psutil.Process().children(), timeout=10)
+left = kids()
+assert not left, left
+print('ok')
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-2000:]

@@ -4,6 +4,7 @@ and the same sampled-token log-probs from vLLM and transformers."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -286,3 +287,56 @@ def test_entropy_profile_token_stats_ignore_padding(base_model):
         assert torch.allclose(prob[i, : len(r)], logp.exp().gather(1, torch.tensor(r)[:, None])[:, 0], atol=1e-5)
         assert torch.allclose(ent[i, : len(r)], -(logp.exp() * logp).sum(-1), atol=1e-5)
         assert torch.allclose(top[i, : len(r)], logp.exp().max(-1).values, atol=1e-5)
+
+
+@pytest.mark.engine
+def test_rollout_texts_and_logprobs_equal_the_engines_own_detokenizer(tmp_path):
+    """The rollout decodes texts in one batch call and reads flat log-prob lists; both must give
+    what vLLM's own incremental detokenizer and per-token dicts give for the same samples. A
+    random model emits arbitrary bytes, so responses cut mid-character by the token limit occur
+    (vLLM never emits the dangling bytes)."""
+    from vllm import SamplingParams
+
+    from stapoctl.rollout import vllm_engine
+
+    from transformers import AutoTokenizer
+
+    model = tiny.build_random(tmp_path / "rand", TinyModelConfig(), seed=0)
+    tok = AutoTokenizer.from_pretrained(model)
+    # whole-character prompts, as a chat template renders them (vLLM decodes a response's first
+    # bytes together with the prompt's last ones)
+    prompts = [tok(f"Compute {i} + {3 * i}.", add_special_tokens=False)["input_ids"] for i in range(8)]
+    llm = vllm_engine.make_llm(vllm_engine.EngineSpec(model_path=str(model), seed=0, max_model_len=128))
+    try:
+        ours = vllm_engine.generate(llm, prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=24, seed=11)
+        llm.reset_prefix_cache()
+        params = [SamplingParams(n=4, temperature=1.0, top_p=1.0, max_tokens=24, logprobs=0, seed=s)
+                  for s in vllm_engine.request_seeds(11, len(prompts), 4)]
+        engine = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        vllm_engine.shutdown(llm)
+    compared = replaced = 0
+    for group, out in zip(ours, engine):
+        for sample, comp in zip(group, sorted(out.outputs, key=lambda c: c.index)):
+            assert sample.token_ids == list(comp.token_ids)
+            assert sample.logprobs == [step[tok].logprob for tok, step in zip(comp.token_ids, comp.logprobs)]
+            assert sample.text == comp.text
+            compared += 1
+            replaced += "\ufffd" in comp.text
+    assert compared == 32
+    assert replaced > 0, "no sample had undecodable bytes: the test no longer covers cut characters"
+
+
+def test_sampled_logprobs_read_flat_lists_and_dicts():
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from stapoctl.rollout.vllm_engine import sampled_logprobs
+
+    flat = FlatLogprobs()
+    flat.append({7: Logprob(-0.5, 1, None)})
+    flat.append({3: Logprob(-1.25, 2, None), 9: Logprob(-0.1, 1, None)})  # sampled token not ranked first
+    flat.append(None)
+    out = sampled_logprobs([7, 3, 4], flat)
+    assert out[:2] == [-0.5, -1.25] and math.isnan(out[2])
+    assert sampled_logprobs([7], [{7: Logprob(-0.5, 1, None)}]) == [-0.5]
+    assert all(math.isnan(v) for v in sampled_logprobs([1, 2], None))

@@ -223,3 +223,37 @@ def test_trimmed_drops_only_the_columns_that_are_padding_in_every_row():
     assert t.position_ids()[:, -2:].tolist() == sub.position_ids()[:, 5:7].tolist()
     assert t.input_ids()[t.attention_mask().bool()].tolist() == sub.input_ids()[sub.attention_mask().bool()].tolist()
     assert b.trimmed() is b  # nothing to drop
+
+
+def test_token_diagnostics_run_in_the_background_and_a_failure_only_warns(monkeypatch):
+    """The figure is drawn on a worker thread; `drain_diagnostics` waits for it and turns a failed
+    one into a warning naming its step (a lost figure must not fail a training run)."""
+    import threading
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from stapoctl.tracking import token_diagnostics
+    from stapoctl.trainer.driver import StepRunner
+
+    seen: list = []
+
+    def fake_log_step(batch, old, entropy, loss_cfg, *, step, **kwargs):
+        seen.append((step, threading.current_thread().name))
+        if step == 4:
+            raise OSError("disk full")
+
+    monkeypatch.setattr(token_diagnostics, "log_step", fake_log_step)
+    runner = StepRunner.__new__(StepRunner)
+    runner.conf = OmegaConf.create({"learner": {"ppo_mini_batch_size": 2}, "rollout": {"n": 2}})
+    runner.loss_cfg, runner.data = {"name": "stapo"}, SimpleNamespace(tokenizer=SimpleNamespace(decode=str))
+    runner._last_old = runner._last_entropy = torch.zeros(2, 2)
+    runner._diag_pool, runner._diag_jobs = None, []
+    for step in (2, 4):
+        runner.log_diagnostics(small_batch(), step)
+    warnings: list[str] = []
+    runner.drain_diagnostics(warnings.append)
+    assert [s for s, _ in seen] == [2, 4]
+    assert all(name.startswith("stapoctl-diagnostics") for _, name in seen)
+    assert warnings == ["token diagnostics of step 4 not written: OSError: disk full"]
+    assert runner._diag_pool is None and runner._diag_jobs == []

@@ -293,7 +293,7 @@ def _generate(conf: Any, jobs: list[dict], model_path: str, max_response: int, c
     import ray
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from stapoctl.launch.ray_runtime import ensure_ray
+    from stapoctl.launch.ray_runtime import ensure_ray, shutdown_ray
     from stapoctl.reward.pool import RewardPool
 
     t0 = time.perf_counter()
@@ -330,7 +330,7 @@ def _generate(conf: Any, jobs: list[dict], model_path: str, max_response: int, c
             scorer.close()
         stop_workers(workers)
         if started_ray:
-            ray.shutdown()
+            shutdown_ray()
     return time.perf_counter() - t0
 
 

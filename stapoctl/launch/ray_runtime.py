@@ -108,7 +108,30 @@ def shutdown_ray() -> None:
     import ray
 
     if ray.is_initialized():
+        _stop_autoscaler_monitor()
         ray.shutdown()
+
+
+def _stop_autoscaler_monitor() -> None:
+    """Kill the autoscaler monitor of a Ray instance this process started, before `ray.shutdown`.
+
+    `ray.shutdown` stops its processes one after another, each given 1 s to exit on SIGTERM; the
+    monitor (which autoscales nothing on a local instance) always used the whole second. Killed
+    first, the shutdown took 0.34 s instead of 1.36 s here. Only a child of this process is
+    touched: when the driver joined an existing cluster, its monitor is not ours and stays.
+    """
+    try:
+        import psutil
+
+        monitor = "ray/autoscaler/_private/monitor.py"
+        for child in psutil.Process().children():
+            try:
+                if any(arg.replace(os.sep, "/").endswith(monitor) for arg in child.cmdline()):
+                    child.kill()
+            except psutil.Error:
+                continue
+    except Exception:  # a slower shutdown, never a failed one
+        pass
 
 
 def runtime_context():

@@ -14,9 +14,10 @@ with the wrong policy; the driver then waits for it, pushes, and re-sends the ca
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from stapoctl.launch.ray_runtime import actor_env, runtime_context
 from stapoctl.rollout.vllm_engine import EngineSpec, Sample, cuda_available
@@ -198,20 +199,32 @@ class RolloutWorker:
         self.weight_version = int(version) if str(version).isdigit() else self.weight_version
 
     def shutdown(self) -> None:
-        """Stop the engine before the actor dies (else /dev/shm segments outlive Ray).
+        """Stop the engine before the actor dies (a multiprocess engine's /dev/shm segments would
+        otherwise outlive Ray); every caller kills the actor right after.
 
-        The heap is frozen first: vLLM's shutdown runs two full `gc.collect()`s (~2 s at exit on
-        2 cores) to free memory this process is about to hand back by exiting anyway.
+        vLLM's shutdown unfreezes the heap and runs two full `gc.collect()`s over the ~1.2M
+        objects of torch, transformers and vLLM: 1.2 s of a run's exit here, to free memory the
+        process hands back by exiting a moment later. They are skipped for that one call.
         """
-        import gc
-
         from stapoctl.rollout import vllm_engine
 
-        gc.freeze()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            vllm_engine.shutdown(llm)
+            with _without_full_collections():
+                vllm_engine.shutdown(llm)
             del llm
+
+
+@contextlib.contextmanager
+def _without_full_collections() -> Iterator[None]:
+    import gc
+
+    collect, unfreeze = gc.collect, gc.unfreeze
+    gc.collect, gc.unfreeze = (lambda *args, **kwargs: 0), (lambda: None)
+    try:
+        yield
+    finally:
+        gc.collect, gc.unfreeze = collect, unfreeze
 
 
 def _node_id() -> str:
@@ -231,6 +244,12 @@ def rollout_env(spec: EngineSpec) -> dict[str, str]:
     if not cuda_available():
         extra["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         extra["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gb)
+        if spec.enforce_eager:
+            # Even in eager mode vLLM torch.compiles one helper (the sampled tokens' ranks, which
+            # the rollout never reads) at the first call that asks for log-probs: 1.5-1.9 s of the
+            # first rollout here, for an op that runs as fast eagerly. Same samples bit for bit
+            # (`python benchmarks/_vllm_modes.py --modes eager,eager-dynamo`: 0.09 vs 1.96 s).
+            extra["TORCHDYNAMO_DISABLE"] = "1"
         if spec.num_threads > 0:
             extra["OMP_NUM_THREADS"] = str(int(spec.num_threads))
     return actor_env(extra)

@@ -256,10 +256,12 @@ def write(diag: TokenDiagnostics, out_dir: Path | str, loss_name: str = "") -> l
 
 
 def log_step(batch: Any, log_probs: Tensor, entropy: Tensor, loss_cfg: dict, *, step: int, mini_rows: int,
-             decode: Callable[[list[int]], str], keep_dir: Optional[Path] = None) -> TokenDiagnostics:
+             decode: Callable[[list[int]], str], keep_dir: Optional[Path] = None,
+             buffer: Any = None) -> TokenDiagnostics:
     """The training loop's hook: diagnose a scored batch and log it to the active MLflow run
-    under diagnostics/step_NNNNNN/. With a journal-backed run (training), the files are written
-    to `keep_dir` and uploaded by the run's sender, so an MLflow outage never stalls a step."""
+    under diagnostics/step_NNNNNN/. With a journal-backed run (training; `buffer`, else the
+    process's active one), the files are written to `keep_dir` and uploaded by the run's sender,
+    so an MLflow outage never stalls a step."""
     import tempfile
 
     import mlflow
@@ -273,7 +275,7 @@ def log_step(batch: Any, log_probs: Tensor, entropy: Tensor, loss_cfg: dict, *, 
                     interpolation=str(loss_cfg.get("quantile_interpolation", "linear")), mini_rows=mini_rows,
                     silencing=SILENCING.get(name), decode=decode, step=step)
     artifact_path = f"{DIAGNOSTICS_DIR}/step_{step:06d}"
-    buffer = active()
+    buffer = buffer if buffer is not None else active()
     if buffer is not None and keep_dir is not None:
         Path(keep_dir).mkdir(parents=True, exist_ok=True)
         write(diag, keep_dir, loss_name=name)

@@ -125,6 +125,8 @@ class StepRunner:
         self.start_step = int(start_step)
         self.weight_version = self.learner_version = 0
         self._worker_rows: list[int] = []
+        self._diag_pool: Any = None
+        self._diag_jobs: list = []
 
     # -- rollout ---------------------------------------------------------------------------
     def launch_rollout(self, indices: list[int], step: int, sampler_state: Optional[dict] = None) -> PendingRollout:
@@ -224,17 +226,43 @@ class StepRunner:
         self.engines.push_weights_async()
         return {"timing_s/sync": time.perf_counter() - t0}
 
-    def log_diagnostics(self, batch, step: int, run_dir: Optional[Path] = None) -> None:
+    def log_diagnostics(self, batch, step: int, run_dir: Optional[Path] = None, *, wait: bool = False) -> None:
         """000 §3 token diagnostics of the step's batch (π, H of the learner's measuring pass, which
-        `measure_due` schedules on these steps); files kept under run_dir/diagnostics until sent."""
+        `measure_due` schedules on these steps); files kept under run_dir/diagnostics until sent.
+
+        Drawn on a background thread while the next steps run: the figure alone took 0.2 s, the
+        first one 0.6 s (matplotlib's import), time in which every engine waited on the driver.
+        `drain_diagnostics` waits for them; a failure there is reported, it does not fail the run."""
+        import concurrent.futures
+
+        from stapoctl.tracking.metric_buffer import active
         from stapoctl.tracking.token_diagnostics import log_step
 
         if self._last_old is None or self._last_entropy is None:
             return
         mini_rows = int(self.conf.learner.ppo_mini_batch_size) * int(self.conf.rollout.n)
         keep = Path(run_dir) / "diagnostics" / f"step_{step:06d}" if run_dir is not None else None
-        log_step(batch, self._last_old, self._last_entropy, self.loss_cfg, step=step, mini_rows=mini_rows,
-                 decode=self.data.tokenizer.decode, keep_dir=keep)
+        args = (batch, self._last_old, self._last_entropy, self.loss_cfg)
+        kwargs = dict(step=step, mini_rows=mini_rows, decode=self.data.tokenizer.decode, keep_dir=keep, buffer=active())
+        if wait:
+            log_step(*args, **kwargs)
+            return
+        if self._diag_pool is None:
+            self._diag_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stapoctl-diagnostics")
+        self._diag_jobs.append((step, self._diag_pool.submit(log_step, *args, **kwargs)))
+
+    def drain_diagnostics(self, warn: Optional[Callable[[str], None]] = None) -> None:
+        """Wait for the diagnostics still being drawn (before the run's record is closed)."""
+        jobs, self._diag_jobs = self._diag_jobs, []
+        pool, self._diag_pool = self._diag_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        for step, job in jobs:
+            try:
+                job.result()
+            except Exception as exc:  # a figure that failed loses that figure, not the run
+                if warn is not None:
+                    warn(f"token diagnostics of step {step} not written: {type(exc).__name__}: {exc}")
 
     def finish(self, pending: PendingRollout, *, wait_sync: bool = True) -> tuple[Any, dict]:
         """Collect a launched rollout, score it, update on it, sync: one training step."""
@@ -547,43 +575,45 @@ class Loop:
             if self.stop is not None:
                 self.stop.in_loop, self.stop.step = True, start_step
             saved = start_step
-            for step in range(start_step + 1, total + 1):
-                # async: the rollouts of the next `ahead` steps generate while this step updates
-                while next_launch <= min(step + ahead, total):
-                    indices = self.sampler.next_batch()
-                    launched[next_launch] = runner.launch_rollout(indices, next_launch, self.sampler.state_dict())
-                    next_launch += 1
-                view.status("rollout → reward → update → sync" if not ahead else
-                            f"update ‖ rollouts of the next {ahead} step(s) → sync")
-                pending = launched.pop(step)
-                batch, metrics = runner.finish(pending, wait_sync=not ahead)
-                if ahead:  # a step's wall time includes the overlapped generation
-                    metrics["timing_s/step"] = time.perf_counter() - t_prev
-                t_prev = time.perf_counter()
-                if val_sets and (step % val_every == 0 or step == total):
-                    view.status("validating")
-                    metrics.update(self.validate(step))
-                    _log_samples(conf, batch, step)
-                metrics["fault/rollout_restarts"] = float(runner.engines.rollout_restarts)
-                replay.check(step, metrics)
-                mlflow_run.log_metrics(metrics, step=step)
-                _set_tags({"stapoctl.step": str(step)})
-                if diag_every > 0 and step % diag_every == 0:
-                    view.status("token diagnostics")
-                    runner.log_diagnostics(batch, step, self.run_dir)
-                view.step(step, metrics)
-                last = metrics
-                if self.stop is not None:
-                    self.stop.step_done(step, metrics.get("timing_s/step", 0.0))
-                stopping = self.stop is not None and self.stop.requested is not None
-                if (save_freq > 0 and (step % save_freq == 0 or step == total)) or (stopping and step < total):
-                    view.status("checkpoint")
-                    runner.engines.wait_weights()
-                    self.save(step, pending.sampler_state)
-                    saved = step
-                if stopping and step < total:
-                    break
-            runner.engines.wait_weights()
+            try:
+                for step in range(start_step + 1, total + 1):
+                    # async: the rollouts of the next `ahead` steps generate while this step updates
+                    while next_launch <= min(step + ahead, total):
+                        indices = self.sampler.next_batch()
+                        launched[next_launch] = runner.launch_rollout(indices, next_launch, self.sampler.state_dict())
+                        next_launch += 1
+                    view.status("rollout → reward → update → sync" if not ahead else
+                                f"update ‖ rollouts of the next {ahead} step(s) → sync")
+                    pending = launched.pop(step)
+                    batch, metrics = runner.finish(pending, wait_sync=not ahead)
+                    if ahead:  # a step's wall time includes the overlapped generation
+                        metrics["timing_s/step"] = time.perf_counter() - t_prev
+                    t_prev = time.perf_counter()
+                    if val_sets and (step % val_every == 0 or step == total):
+                        view.status("validating")
+                        metrics.update(self.validate(step))
+                        _log_samples(conf, batch, step)
+                    metrics["fault/rollout_restarts"] = float(runner.engines.rollout_restarts)
+                    replay.check(step, metrics)
+                    mlflow_run.log_metrics(metrics, step=step)
+                    _set_tags({"stapoctl.step": str(step)})
+                    if diag_every > 0 and step % diag_every == 0:
+                        runner.log_diagnostics(batch, step, self.run_dir)
+                    view.step(step, metrics)
+                    last = metrics
+                    if self.stop is not None:
+                        self.stop.step_done(step, metrics.get("timing_s/step", 0.0))
+                    stopping = self.stop is not None and self.stop.requested is not None
+                    if (save_freq > 0 and (step % save_freq == 0 or step == total)) or (stopping and step < total):
+                        view.status("checkpoint")
+                        runner.engines.wait_weights()
+                        self.save(step, pending.sampler_state)
+                        saved = step
+                    if stopping and step < total:
+                        break
+                runner.engines.wait_weights()
+            finally:  # the figures still being drawn go into the run before its record ends
+                runner.drain_diagnostics(lambda msg: console.print(f"[yellow]{msg}[/]"))
         replay.report(console)
         out: dict[str, Any] = {"steps": total, "final": dict(last), "replayed": replay.summary()}
         if first_val:
