@@ -44,7 +44,7 @@ def mark(k, t0): T[k] = time.perf_counter() - t0
 what, model_dir = sys.argv[1], sys.argv[2]
 if what == "ray":
     import ray
-    from stapoctl.launch.ray_runtime import ensure_ray
+    from stapoctl.launch.ray_runtime import ensure_ray, shutdown_ray
     from stapoctl.config.compose import compose_config
     conf = compose_config([])
     t0 = time.perf_counter(); ensure_ray(conf.cluster); mark("ray.init", t0)
@@ -52,17 +52,19 @@ if what == "ray":
     class Noop:
         def ping(self): return os.getpid()
     t0 = time.perf_counter(); a = Noop.remote(); ray.get(a.ping.remote()); mark("first call of a new actor", t0)
-    t0 = time.perf_counter(); ray.shutdown(); mark("ray.shutdown", t0)
+    t0 = time.perf_counter(); shutdown_ray(); mark("shutdown_ray (autoscaler monitor killed first)", t0)
 elif what == "vllm":
     from stapoctl.rollout.vllm_engine import EngineSpec, configure_env, make_llm, generate
-    configure_env(1)
-    t0 = time.perf_counter(); import vllm; mark("rollout: import vllm (env set)", t0)
+    from stapoctl.rollout.vllm_worker import rollout_env
     from stapoctl.config.compose import compose_config
     from stapoctl.trainer.engines import max_model_len
     from stapoctl.sync.worker_extension import EXTENSION_CLS
     conf = compose_config([])
     spec = EngineSpec(model_path=model_dir, seed=0, max_model_len=max_model_len(conf, model_dir), dtype="float32",
-                      worker_extension_cls=EXTENSION_CLS)
+                      kv_cache_gb=float(conf.rollout.kv_cache_gb), worker_extension_cls=EXTENSION_CLS)
+    os.environ.update(rollout_env(spec))  # the rollout actor's environment
+    configure_env()
+    t0 = time.perf_counter(); import vllm; mark("rollout: import vllm (env set)", t0)
     t0 = time.perf_counter(); llm = make_llm(spec); mark("vLLM LLM(...) engine init", t0)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)

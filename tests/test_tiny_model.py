@@ -340,3 +340,12 @@ def test_sampled_logprobs_read_flat_lists_and_dicts():
     assert out[:2] == [-0.5, -1.25] and math.isnan(out[2])
     assert sampled_logprobs([7], [{7: Logprob(-0.5, 1, None)}]) == [-0.5]
     assert all(math.isnan(v) for v in sampled_logprobs([1, 2], None))
+
+
+@pytest.mark.engine
+def test_a_kv_cache_too_small_for_one_sequence_is_a_user_error(tmp_path):
+    from stapoctl.rollout import vllm_engine
+
+    model = tiny.build_random(tmp_path / "rand", TinyModelConfig(), seed=0)
+    with pytest.raises(UserError, match=r"rollout\.kv_cache_gb=1e-05 GiB cannot hold one sequence of max_model_len 128"):
+        vllm_engine.make_llm(vllm_engine.EngineSpec(model_path=str(model), max_model_len=128, kv_cache_gb=1e-5))

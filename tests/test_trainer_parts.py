@@ -257,3 +257,14 @@ def test_token_diagnostics_run_in_the_background_and_a_failure_only_warns(monkey
     assert all(name.startswith("stapoctl-diagnostics") for _, name in seen)
     assert warnings == ["token diagnostics of step 4 not written: OSError: disk full"]
     assert runner._diag_pool is None and runner._diag_jobs == []
+
+
+def test_a_user_error_raised_in_an_actor_constructor_is_found_in_rays_text():
+    from stapoctl.trainer.engines import user_error_in
+
+    text = ("The actor died because of an error raised in its creation task, ray::RolloutWorker.__init__() (pid=1)\n"
+            "  File \"x.py\", line 3, in make_llm\n    raise UserError(\n"
+            "stapoctl.errors.UserError: rollout.kv_cache_gb=1e-05 GiB is too small: raise it\n")
+    found = user_error_in(RuntimeError(text))
+    assert isinstance(found, UserError) and str(found) == "rollout.kv_cache_gb=1e-05 GiB is too small: raise it"
+    assert user_error_in(RuntimeError("ValueError: something else")) is None

@@ -109,7 +109,9 @@ class RolloutConfig:
     top_p: float = spec(1.0, range="(0, 1]")
     max_response_length: int = spec(48, range=POSITIVE_INT)
     gpu_memory_utilization: float = spec(0.5, range="(0, 1]")
-    kv_cache_gb: int = spec(1, range=POSITIVE_INT)  # VLLM_CPU_KVCACHE_SPACE on a CPU machine
+    # CPU: the KV cache in GiB (vLLM's kv_cache_memory_bytes; allocated and zeroed at engine start,
+    # freed at its end); on a GPU gpu_memory_utilization sizes it instead
+    kv_cache_gb: float = spec(1.0, range=POSITIVE)
     enforce_eager: bool = True
     # old log-probs for the ratio: "recompute" with the learner (verl style), take vLLM's "rollout"
     # (equal to the learner's in fp32 at T=1: one forward pass less per step), or "auto" (rollout

@@ -25,10 +25,9 @@ def cuda_available() -> bool:
         return False
 
 
-def configure_env(kv_cache_gb: int = 1) -> None:
+def configure_env() -> None:
     """Environment vLLM reads at import/engine start; must run before `import vllm`."""
     if not cuda_available():
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -53,7 +52,7 @@ class EngineSpec:
     dtype: str = "float32"
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
-    kv_cache_gb: int = 1
+    kv_cache_gb: float = 1.0  # CPU only: the KV cache, GiB
     enforce_eager: bool = True
     worker_extension_cls: str | None = None
     num_threads: int = 0  # CPU: intra-op threads of the in-process engine (0 = torch's default)
@@ -66,7 +65,7 @@ def make_llm(spec: EngineSpec):
     """A vLLM `LLM`; in-process single worker on CPU, normal executor on GPU."""
     from stapoctl.launch.import_gc import paused_gc
 
-    configure_env(spec.kv_cache_gb)
+    configure_env()
     with paused_gc("vllm.entrypoints.llm"):  # the import is most of the engine's start-up on CPU
         from vllm import LLM
 
@@ -90,6 +89,10 @@ def make_llm(spec: EngineSpec):
             kwargs["weight_transfer_config"] = {"backend": spec.weight_transfer_backend}
     else:
         kwargs["distributed_executor_backend"] = "uni"
+        # sized by the run, not vLLM-CPU's integer-GiB VLLM_CPU_KVCACHE_SPACE (which, when set in
+        # the environment, still wins): a tiny model's rollout needs a few MiB, and 1 GiB took
+        # 0.3 s to allocate and zero at every engine start
+        kwargs["kv_cache_memory_bytes"] = int(float(spec.kv_cache_gb) * 2**30)
         # Seeded requests (reproducible rollouts, hence resumable runs) crash vLLM-CPU 0.32 when
         # a prefill is chunked: it rewinds the request's generator with set_offset, which CPU
         # generators lack ("CPU Generator does not use offset"). Whole prefills avoid that path.
@@ -104,7 +107,17 @@ def make_llm(spec: EngineSpec):
     if spec.worker_extension_cls:
         kwargs["worker_extension_cls"] = spec.worker_extension_cls
     kwargs.update(spec.extra)
-    return LLM(**kwargs)
+    try:
+        return LLM(**kwargs)
+    except ValueError as exc:
+        if cuda_available() or not ("cache blocks" in str(exc) or "KV cache" in str(exc)):
+            raise
+        from stapoctl.errors import UserError
+
+        raise UserError(
+            f"rollout.kv_cache_gb={float(spec.kv_cache_gb):g} GiB cannot hold one sequence of max_model_len "
+            f"{spec.max_model_len} for this model: raise it, e.g. rollout.kv_cache_gb=1"
+        ) from None
 
 
 def prompt_seed(*parts: Any) -> int:

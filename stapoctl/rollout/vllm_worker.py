@@ -243,7 +243,6 @@ def rollout_env(spec: EngineSpec) -> dict[str, str]:
     extra = {"VLLM_LOGGING_LEVEL": "WARNING"}
     if not cuda_available():
         extra["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        extra["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gb)
         if spec.enforce_eager:
             # Even in eager mode vLLM torch.compiles one helper (the sampled tokens' ranks, which
             # the rollout never reads) at the first call that asks for log-probs: 1.5-1.9 s of the

@@ -286,6 +286,13 @@ def describe_actor_death(exc: BaseException) -> str:
     return ", ".join(parts) if parts else text[:160]
 
 
+def user_error_in(exc: BaseException) -> Optional[UserError]:
+    """The UserError an actor's constructor raised: Ray reports a failed creation task as an
+    ActorDiedError carrying only the remote traceback's text."""
+    found = re.search(r"stapoctl\.errors\.UserError: ([^\n]+)", str(exc))
+    return UserError(found.group(1).strip()) if found else None
+
+
 def start_engines(conf: DictConfig, policy_path: str, console=None) -> "Engines":
     """Ray, then the run's placement, then the vLLM actors and the learner ranks in parallel,
     then the weight-sync link."""
@@ -323,7 +330,7 @@ class EngineLaunch:
             sync = WeightSync(self.learners, self.workers, self.method, vllm_world_size=int(r.tensor_parallel_size))
         except BaseException as exc:
             self.abort()
-            cause = getattr(exc, "cause", None)
+            cause = getattr(exc, "cause", None) or user_error_in(exc)
             if isinstance(cause, UserError):
                 raise cause from None
             raise
@@ -386,7 +393,7 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None) -> EngineLa
         dtype=conf.model.dtype,
         tensor_parallel_size=int(r.tensor_parallel_size),
         gpu_memory_utilization=float(r.gpu_memory_utilization),
-        kv_cache_gb=int(r.kv_cache_gb),
+        kv_cache_gb=float(r.kv_cache_gb),
         enforce_eager=bool(r.enforce_eager),
         weight_transfer_backend=method if method in ("nccl", "ipc") else None,
         num_threads=thread_counts(conf)[0] if not on_gpu else 0,
