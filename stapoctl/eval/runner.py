@@ -198,7 +198,16 @@ def start_workers(conf: Any, model_path: str, max_model_len: int) -> list[Any]:
     workers = [make_rollout_worker(EngineSpec(**spec_args), num_cpus=float(r.cpus_per_worker),
                                    num_gpus=max(gpus, float(tp)) if gpus else 0.0)
                for _ in range(int(r.num_workers))]
-    ray.get([w.info.remote() for w in workers])  # fail here, not mid-eval, if the engine cannot load
+    try:
+        ray.get([w.info.remote() for w in workers])  # fail here, not mid-eval, if the engine cannot load
+    except Exception as exc:
+        from stapoctl.trainer.engines import user_error_in
+
+        stop_workers(workers)
+        found = user_error_in(exc)  # e.g. rollout.kv_cache_gb too small: one line, not Ray's traceback
+        if found is not None:
+            raise found from None
+        raise
     return workers
 
 
