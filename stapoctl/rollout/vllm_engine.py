@@ -110,7 +110,8 @@ def make_llm(spec: EngineSpec):
     try:
         return LLM(**kwargs)
     except ValueError as exc:
-        if cuda_available() or not ("cache blocks" in str(exc) or "KV cache" in str(exc)):
+        # vLLM's two messages for a cache that cannot hold one sequence; not its other KV errors
+        if cuda_available() or not ("cache blocks" in str(exc) or "available KV cache memory" in str(exc)):
             raise
         from stapoctl.errors import UserError
 

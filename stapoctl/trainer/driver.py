@@ -227,7 +227,7 @@ class StepRunner:
         self.engines.push_weights_async()
         return {"timing_s/sync": time.perf_counter() - t0}
 
-    def log_diagnostics(self, batch, step: int, run_dir: Optional[Path] = None, *, wait: bool = False) -> None:
+    def log_diagnostics(self, batch, step: int, run_dir: Optional[Path] = None) -> None:
         """000 §3 token diagnostics of the step's batch (π, H of the learner's measuring pass, which
         `measure_due` schedules on these steps); files kept under run_dir/diagnostics until sent.
 
@@ -245,9 +245,6 @@ class StepRunner:
         keep = Path(run_dir) / "diagnostics" / f"step_{step:06d}" if run_dir is not None else None
         args = (batch, self._last_old, self._last_entropy, self.loss_cfg)
         kwargs = dict(step=step, mini_rows=mini_rows, decode=self.data.tokenizer.decode, keep_dir=keep, buffer=active())
-        if wait:
-            log_step(*args, **kwargs)
-            return
         if self._diag_pool is None:
             self._diag_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stapoctl-diagnostics")
         self._diag_jobs.append((step, self._diag_pool.submit(log_step, *args, **kwargs)))
