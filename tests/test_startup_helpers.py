@@ -132,3 +132,26 @@ print('ok')
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_engine_actors_skip_scikit_learn_and_transformers_still_loads():
+    """transformers imports scikit-learn only for assisted generation; an engine actor marks it
+    absent first. In a fresh interpreter: without the mark sklearn is imported (so the test can
+    fail), with it transformers' generation utilities and a Qwen3 model class still import."""
+    code = """
+import sys
+{skip}
+import transformers.generation.candidate_generator as cg
+from transformers import AutoModelForCausalLM
+from transformers.utils import is_sklearn_available
+print(sys.modules.get("sklearn") is not None, is_sklearn_available())
+"""
+    runs = {}
+    for skip in (False, True):
+        body = code.format(skip="from stapoctl.launch.import_gc import skip_unused_imports; skip_unused_imports()"
+                           if skip else "")
+        out = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[skip] = out.stdout.split()
+    assert runs[False] == ["True", "True"]
+    assert runs[True] == ["False", "False"]

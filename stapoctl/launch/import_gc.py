@@ -27,6 +27,18 @@ from typing import Iterator
 # nanobind) otherwise report them as leaked at exit. Harmless when nothing was frozen.
 atexit.register(gc.unfreeze)
 
+# Imported by a library at import time but never used by an engine actor: transformers imports
+# scikit-learn (0.3-0.4 s here) only for assisted generation's candidate heuristics, and the
+# actors generate with vLLM. `sys.modules[name] = None` is Python's own way to say "not
+# installed": `importlib.util.find_spec` then answers None, so transformers skips it.
+UNUSED_IN_ENGINES = ("sklearn",)
+
+
+def skip_unused_imports() -> None:
+    """In an engine actor, before its heavy imports; a module already loaded stays loaded."""
+    for name in UNUSED_IN_ENGINES:
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+
 
 @contextlib.contextmanager
 def paused_gc(*modules: str) -> Iterator[None]:

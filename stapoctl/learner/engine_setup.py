@@ -113,8 +113,9 @@ class EngineSetup:
         master_port: Optional[int] = None,
     ) -> dict:
         t0 = time.perf_counter()
-        from stapoctl.launch.import_gc import paused_gc
+        from stapoctl.launch.import_gc import paused_gc, skip_unused_imports
 
+        skip_unused_imports()
         # DeepSpeed + transformers imports are most of the learner's start-up
         with paused_gc("transformers.models.qwen3.modeling_qwen3"):
             import torch

@@ -46,6 +46,7 @@ class PPOStep:
     def _token_stats_on(self, mb):
         import torch
 
+        from stapoctl.learner.shared_prefix import shared_prefix_hidden
         from stapoctl.losses import token_stats
 
         input_ids = mb.input_ids().to(self.device)
@@ -59,8 +60,14 @@ class PPOStep:
             logits = self.engine(input_ids=input_ids, attention_mask=attn, position_ids=pos).logits
             return token_stats(logits[:, p - 1 : p + r - 1], labels, chunk_size=chunk,
                                temperature=self.temperature, return_sum_p2=True)
-        hidden = self.module.get_decoder()(input_ids=input_ids, attention_mask=attn, position_ids=pos)
-        hidden = hidden.last_hidden_state[:, p - 1 : p + r - 1]
+        decoder = self.module.get_decoder()
+        hidden = None
+        if self.learner.get("shared_prefix", True) and not self.learner.get("gradient_checkpointing"):
+            # checkpointed layers drop the KV cache the shared-prefix forward is made of
+            hidden = shared_prefix_hidden(decoder, input_ids, attn, pos, p, r)
+        if hidden is None:
+            hidden = decoder(input_ids=input_ids, attention_mask=attn, position_ids=pos)
+            hidden = hidden.last_hidden_state[:, p - 1 : p + r - 1]
         return token_stats(hidden, labels, lm_head_weight=self.module.get_output_embeddings().weight,
                            chunk_size=chunk, temperature=self.temperature, return_sum_p2=True)
 

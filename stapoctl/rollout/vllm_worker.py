@@ -36,9 +36,11 @@ class RolloutWorker:
     """
 
     def __init__(self, spec: EngineSpec, synced: bool = False):
+        from stapoctl.launch.import_gc import skip_unused_imports
         from stapoctl.rollout import vllm_engine
 
         t0 = time.perf_counter()
+        skip_unused_imports()
         if spec.worker_extension_cls is None:
             spec.worker_extension_cls = EXTENSION_CLS
         if spec.num_threads > 0:
