@@ -155,3 +155,32 @@ print(sys.modules.get("sklearn") is not None, is_sklearn_available())
         runs[skip] = out.stdout.split()
     assert runs[False] == ["True", "True"]
     assert runs[True] == ["False", "False"]
+
+
+def test_local_ray_starts_no_idle_workers_and_tasks_still_run():
+    """Ray prestarts one idle worker per CPU for the first driver; no engine actor can use them
+    (each has its own runtime env), so `ensure_ray` turns that off. Counted in a fresh
+    interpreter, against a plain `ray.init` that does prestart (so the count can fail)."""
+    code = """
+import sys, time, psutil, ray
+from types import SimpleNamespace
+from stapoctl.launch.ray_runtime import ensure_ray, shutdown_ray
+if sys.argv[1] == "ours":
+    ensure_ray(SimpleNamespace(address=None, num_cpus=2, num_gpus=None))
+else:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def idle():
+    return sum(' '.join(c.cmdline()).startswith('ray::IDLE') for c in psutil.Process().children(recursive=True)
+               if c.is_running() and c.status() != psutil.STATUS_ZOMBIE)  # a worker renames itself so
+time.sleep(3)
+n = idle()
+assert ray.get(ray.remote(lambda: 41 + 1).remote()) == 42
+shutdown_ray()
+print(n)
+"""
+    counts = {}
+    for who in ("ours", "plain"):
+        out = subprocess.run([sys.executable, "-c", code, who], capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        counts[who] = int(out.stdout.split()[-1])
+    assert counts == {"ours": 0, "plain": 2}
