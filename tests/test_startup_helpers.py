@@ -175,6 +175,9 @@ def idle():
 time.sleep(3)
 n = idle()
 assert ray.get(ray.remote(lambda: 41 + 1).remote()) == 42
+from stapoctl.launch.ray_runtime import in_ray_actor
+Probe = ray.remote(num_cpus=0)(type("Probe", (), {"inside": lambda self: in_ray_actor()}))
+assert ray.get(Probe.remote().inside.remote()) is True and in_ray_actor() is False
 shutdown_ray()
 print(n)
 """

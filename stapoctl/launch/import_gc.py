@@ -35,7 +35,9 @@ UNUSED_IN_ENGINES = ("sklearn",)
 
 
 def skip_unused_imports() -> None:
-    """In an engine actor, before its heavy imports; a module already loaded stays loaded."""
+    """In an engine actor's process, before its heavy imports (`ray_runtime.in_ray_actor`): not in
+    a driver or a test process, which may need the module (TRL's trainers import scikit-learn).
+    A module already loaded stays loaded."""
     for name in UNUSED_IN_ENGINES:
         sys.modules.setdefault(name, None)  # type: ignore[arg-type]
 

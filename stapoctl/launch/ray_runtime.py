@@ -147,3 +147,9 @@ def runtime_context():
     import ray
 
     return ray.get_runtime_context() if ray.is_initialized() else None
+
+
+def in_ray_actor() -> bool:
+    """True inside a Ray actor's process (an engine actor), False in a driver or a test process."""
+    ctx = runtime_context()
+    return bool(ctx is not None and ctx.get_actor_id())

@@ -114,8 +114,10 @@ class EngineSetup:
     ) -> dict:
         t0 = time.perf_counter()
         from stapoctl.launch.import_gc import paused_gc, skip_unused_imports
+        from stapoctl.launch.ray_runtime import in_ray_actor
 
-        skip_unused_imports()
+        if in_ray_actor():
+            skip_unused_imports()
         # DeepSpeed + transformers imports are most of the learner's start-up
         with paused_gc("transformers.models.qwen3.modeling_qwen3"):
             import torch

@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
-from stapoctl.launch.ray_runtime import actor_env, runtime_context
+from stapoctl.launch.ray_runtime import actor_env, in_ray_actor, runtime_context
 from stapoctl.rollout.vllm_engine import EngineSpec, Sample, cuda_available
 from stapoctl.sync.worker_extension import EXTENSION_CLS
 
@@ -40,7 +40,8 @@ class RolloutWorker:
         from stapoctl.rollout import vllm_engine
 
         t0 = time.perf_counter()
-        skip_unused_imports()
+        if in_ray_actor():
+            skip_unused_imports()
         if spec.worker_extension_cls is None:
             spec.worker_extension_cls = EXTENSION_CLS
         if spec.num_threads > 0:
