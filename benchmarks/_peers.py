@@ -337,10 +337,18 @@ def toy_accuracy_worker(p: dict) -> dict:
 WORKERS = {"trl": trl_worker, "torch_copy": torch_copy_worker, "toy_accuracy": toy_accuracy_worker}
 
 
-def run(kind: str, payload: dict, *, timeout: Optional[float] = None) -> dict:
+def run(kind: str, payload: dict, *, timeout: Optional[float] = None, env: Optional[dict] = None) -> dict:
     from _harness import run_worker  # noqa: E402  (benchmarks/ is the script dir)
 
-    return run_worker(Path(__file__), {"kind": kind, "t_spawn": time.time(), **payload}, timeout=timeout)
+    return run_worker(Path(__file__), {"kind": kind, "t_spawn": time.time(), **payload}, timeout=timeout, env=env)
+
+
+def mkl_shim_env() -> dict:
+    """The LD_PRELOAD stapoctl gives its engine actors here (`launch/mkl_shim.py`), or {} where it
+    gives none: the peer run once more with it shows how much of a ratio is that library."""
+    from stapoctl.launch import mkl_shim
+
+    return mkl_shim.preload_env()
 
 
 if __name__ == "__main__":

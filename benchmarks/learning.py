@@ -16,6 +16,9 @@ sampling) scores the base model and every final model. Learning per minute =
 A whole run is one sample: `all` uses 2 repeats (each costs ~2-3 min today); pass
 `--repeats 5` for five. stapoctl's default loss is STAPO; TRL has no S2T mask and runs its
 `dapo` loss (the same DAPO surrogate without the mask; the mask's cost is the loss_overhead row).
+
+On an AMD CPU, one more TRL run starts under the MKL shim that stapoctl preloads into its engine
+actors (`launch/mkl_shim.py`); the info row `learning_per_minute_trl_mkl_shim` compares with it.
 """
 
 from __future__ import annotations
@@ -86,9 +89,19 @@ def main(argv=None) -> int:
                     res["model"] = str(tmp / f"peer{r}")
                     peers.append(res)
                 load.mark(side)
+        shim_env, shim = _peers.mkl_shim_env(), None
+        if shim_env:  # once: how much of the ratio is the library stapoctl preloads into its actors
+            console.print(f"TRL GRPOTrainer with stapoctl's MKL shim preloaded ({steps} steps, whole script) …")
+            load.mark("peer")
+            shim = _peers.run("trl", {"overrides": [], "model_dir": base, "steps": steps,
+                                      "save_dir": str(tmp / "peer_shim"), "output_dir": str(tmp / "trl_shim")},
+                              env=shim_env)
+            load.mark("peer")
+            shim["model"] = str(tmp / "peer_shim")
         console.print("held-out toy accuracy of the base and every final model …")
         models = {"base": base, **{f"ours{i}": o["model"] for i, o in enumerate(ours) if o["model"]},
-                  **{f"peer{i}": x["model"] for i, x in enumerate(peers)}}
+                  **{f"peer{i}": x["model"] for i, x in enumerate(peers)},
+                  **({"peer_shim": shim["model"]} if shim else {})}
         acc = _peers.run("toy_accuracy", {"overrides": [], "models": models})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -139,6 +152,17 @@ def main(argv=None) -> int:
         extra={"accuracy": acc, "ours_wall_s": [o["wall_s"] for o in ours],
                "peer_whole_s": [x["whole_s"] for x in peers], "load": load.seen},
     )]
+    if shim is not None:
+        shim_rate = [100 * (acc["peer_shim"] - b) / (shim["whole_s"] / 60)]
+        rows.append(H.row(
+            "learning_per_minute_trl_mkl_shim", f"learning per minute, {steps} steps: TRL with the same MKL shim",
+            ours=ours_rate, peer=shim_rate, unit="acc-pts/min", lower_is_better=False, target=None,
+            target_text="(info)", peer_label="TRL GRPOTrainer + MKL shim",
+            notes=(f"the row above against one TRL run started under LD_PRELOAD={shim_env['LD_PRELOAD']} "
+                   f"(launch/mkl_shim.py), which stapoctl's engine actors get by default: whole script "
+                   f"{H.fmt(shim['whole_s'], 's')}, toy acc {acc['peer_shim']:.1%}, steady step "
+                   f"{H.fmt(H.summary(shim['step_s'][1:])['median'], 's')}."),
+        ))
     rows.append(H.row(
         "engines_up", "engines up (Ray + vLLM actor + DeepSpeed learner), embedded default",
         ours=[o["engines_s"] for o in ours], peer=[x["startup_s"] for x in peers], unit="s", lower_is_better=True,
@@ -152,7 +176,8 @@ def main(argv=None) -> int:
     H.publish("learning", rows, a, console, config={"steps": steps, "repeats": repeats},
               seconds=time.perf_counter() - t0, env=env,
               extra={"raw": {"ours": [{k: v for k, v in o.items() if k != "metrics"} for o in ours],
-                             "ours_metrics": [o["metrics"] for o in ours], "peer": peers, "accuracy": acc}})
+                             "ours_metrics": [o["metrics"] for o in ours], "peer": peers, "peer_mkl_shim": shim,
+                             "accuracy": acc}})
     return 0
 
 

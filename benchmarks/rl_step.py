@@ -11,6 +11,9 @@ Engines start once per run, not per repeat.
 
 Rows (ratio > 1 = stapoctl better, except the "≤" ceilings):
 - full_step_<size>: seconds per step, TRL / stapoctl (targets: tiny >= 1.3, 25m >= 1.5).
+- full_step_<size>_trl_mkl_shim (info, AMD CPUs): the same, against TRL started under the MKL
+  shim that stapoctl preloads into its engine actors (`launch/mkl_shim.py`): how much of the
+  row above is that library.
 - rollout_tokens_<size>: generated tokens/s of the rollout (vLLM actor, Ray call included) vs
   transformers `generate` inside TRL's step (same batch, sampling, lengths) (25m >= 1.5).
 - weight_sync_<size>: learner -> every vLLM worker, per step, / a plain torch copy of the same
@@ -77,6 +80,12 @@ def measure(size: str, repeats: int, console) -> tuple[list[dict], dict]:
     peer_step = peer["step_s"][1:]
     peer_tokens = peer["gen_tokens"][1:]
     peer_tps = [t / g for t, g in zip(peer_tokens, peer["gen_s"][1:])]
+    shim_env, peer_shim = _peers.mkl_shim_env(), None
+    if shim_env:
+        console.print(f"[bold]{size}[/]: TRL GRPOTrainer with stapoctl's MKL shim preloaded, {steps} steps …")
+        load.mark("peer")
+        peer_shim = _peers.run("trl", {"overrides": overrides, "model_dir": mdir, "steps": steps}, env=shim_env)
+        load.mark("peer")
 
     console.print(f"[bold]{size}[/]: torch copy of the state dict …")
     copy = _peers.run("torch_copy", {"model_dir": mdir, "repeats": max(repeats, 5)})
@@ -119,6 +128,20 @@ def measure(size: str, repeats: int, console) -> tuple[list[dict], dict]:
         extra={"ours_phases_s": phases, "peer_phases_s": peer_phases, "engines": ours.get("engines", {}),
                "load": load.seen},
     )]
+    if peer_shim is not None:
+        shim_step = peer_shim["step_s"][1:]
+        rows.append(H.row(
+            f"full_step_{size}_trl_mkl_shim", f"full RL step, {label}: TRL with the same MKL shim", ours=ours_step,
+            peer=shim_step, unit="s", lower_is_better=True, target=None, target_text="(info)",
+            peer_label="TRL GRPOTrainer + MKL shim",
+            checks=[H.check("tokens", H.within(tok_o, _median(peer_shim["gen_tokens"][1:]), TOKENS_TOL),
+                            f"gen tokens/step {H.fmt(tok_o)} vs {H.fmt(_median(peer_shim['gen_tokens'][1:]))}"),
+                    dtype_check],
+            notes=(f"the row above, with TRL's process also started under LD_PRELOAD={shim_env['LD_PRELOAD']} "
+                   f"(launch/mkl_shim.py: MKL's AVX-512 kernels on this AMD CPU), which stapoctl's engine "
+                   f"actors get by default: how much of that row's ratio is the library. TRL step "
+                   f"{H.fmt(_median(shim_step), 's')} with it, {H.fmt(_median(peer_step), 's')} without."),
+        ))
     t_rollout = TARGETS["rollout_tokens"].get(size)
     rows.append(H.row(
         f"rollout_tokens_{size}", f"rollout tokens/s (n={conf.rollout.n}), {label}", ours=ours_tps,
@@ -149,7 +172,8 @@ def measure(size: str, repeats: int, console) -> tuple[list[dict], dict]:
               f"{copy['torch_threads']} threads.",
     ))
     rows.append(async_row(size, label, overrides, steps, ours_step, tok_o, rows_per_step, console))
-    raw = {"ours": ours, "peer": peer, "copy": copy, "model_dir": mdir, "overrides": overrides}
+    raw = {"ours": ours, "peer": peer, "peer_mkl_shim": peer_shim, "copy": copy, "model_dir": mdir,
+           "overrides": overrides}
     return rows, raw
 
 

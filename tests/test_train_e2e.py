@@ -65,6 +65,14 @@ def test_metrics_are_logged_every_step(run):
     data = client.get_run(first["run_id"]).data
     assert data.tags["stapoctl.run_dir"] == first["run_dir"]
     assert data.params["loss.name"] == "stapo"
+    # the run states which MKL kernels its learner ran (launch/mkl_shim.py): AVX-512 ones on an AMD CPU
+    from stapoctl.launch import mkl_shim
+
+    mkl = json.loads(data.tags["stapoctl.learner_mkl"])
+    if mkl_shim.preload_env():
+        assert mkl["amd_shim"] is True and mkl["code_path"] > 0, mkl
+    else:
+        assert mkl["amd_shim"] is False, mkl
     for key in ("actor/entropy", "actor/pg_loss", "actor/pg_clipfrac", "actor/grad_norm", "response_length/mean",
                 "critic/score/mean", "reward/accuracy", "stapo/spurious_ratio",
                 "timing_s/gen", "timing_s/ref", "timing_s/update", "timing_s/sync",

@@ -221,6 +221,10 @@ class ClusterConfig:
     address: Optional[str] = None
     num_cpus: Optional[int] = spec(None, range=POSITIVE_INT)
     num_gpus: Optional[int] = spec(None, range=NON_NEGATIVE)
+    # MKL's AVX-512 kernels for torch on AMD CPUs (launch/mkl_shim.py: a one-line library preloaded into the
+    # engine actors; the learner's update at 25M took 1.9 s instead of 3.5 s here). auto: local Ray on an AMD
+    # CPU with a C compiler; on: also on a remote Ray cluster (its nodes must see STAPOCTL_HOME); off: never
+    mkl_amd_shim: str = spec("auto", choices=("auto", "on", "off"))
     # how long a run waits for busy resources before it gives up (an impossible placement fails at once)
     placement_timeout_s: float = spec(60.0, range=POSITIVE)
     # interpreter with stapoctl's dependencies on the cluster's nodes (default: this one,

@@ -44,6 +44,9 @@ def actor_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     for key in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS"):
         if key in os.environ:
             env[key] = os.environ[key]
+    from stapoctl.launch import mkl_shim
+
+    env.update(mkl_shim.preload_env())  # MKL's AVX-512 kernels on AMD; {} elsewhere
     if extra:
         env.update(extra)
     return env
@@ -57,9 +60,13 @@ def ensure_ray(cluster_cfg: Any = None, *, log_to_driver: bool = False) -> bool:
     """
     import ray
 
+    from stapoctl.launch import mkl_shim
+
+    address = getattr(cluster_cfg, "address", None) if cluster_cfg is not None else None
+    if cluster_cfg is not None:  # None (e.g. the model verifier joining the run's Ray) keeps the run's choice
+        mkl_shim.configure(str(getattr(cluster_cfg, "mkl_amd_shim", None) or "auto"), remote=bool(address))
     if ray.is_initialized():
         return False
-    address = getattr(cluster_cfg, "address", None) if cluster_cfg is not None else None
     num_cpus = getattr(cluster_cfg, "num_cpus", None) if cluster_cfg is not None else None
     num_gpus = getattr(cluster_cfg, "num_gpus", None) if cluster_cfg is not None else None
     kwargs: dict[str, Any] = dict(
@@ -74,7 +81,7 @@ def ensure_ray(cluster_cfg: Any = None, *, log_to_driver: bool = False) -> bool:
         kwargs["address"] = address
         kwargs["runtime_env"] = {
             "py_modules": [str(Path(__file__).resolve().parent.parent)],
-            "env_vars": {k: v for k, v in actor_env().items() if k not in ("PYTHONPATH", "STAPOCTL_HOME")},
+            "env_vars": {k: v for k, v in actor_env().items() if k not in ("PYTHONPATH", "STAPOCTL_HOME", "LD_PRELOAD")},
         }
     else:
         kwargs["address"] = "local"

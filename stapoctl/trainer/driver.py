@@ -375,7 +375,9 @@ def running_engines(conf: DictConfig, policy_path: str, resume_dir: Optional[Pat
             console.print(f"engines reused (learner reset + weight sync in {info['reset_s']:.1f} s)")
         else:
             console.print(f"engines up in {info['engines_s']:.0f} s (vLLM {info['vllm_init_s']:.0f} s, learner "
-                          f"{info['learner_setup_s']:.0f} s, in parallel); weight sync: {info['sync_method']}")
+                          f"{info['learner_setup_s']:.0f} s, in parallel); weight sync: {info['sync_method']}"
+                          + ("; learner MKL: AVX-512 kernels on AMD (cluster.mkl_amd_shim)"
+                             if info.get("mkl", {}).get("amd_shim") else ""))
         yield engines, scorer
     except BaseException:
         if not own:
@@ -473,7 +475,8 @@ def _train(conf: DictConfig, console: Console, session: Any, stop, own: bool) ->
             rec.set_tags({"stapoctl.weight_sync": engines.info["sync_method"],
                           "stapoctl.old_logprob_source": old_logprob_source(conf),
                           "stapoctl.threads": json.dumps(engines.info.get("threads", {})),
-                          "stapoctl.nodes": json.dumps(engines.info.get("nodes", {}))})
+                          "stapoctl.nodes": json.dumps(engines.info.get("nodes", {})),
+                          "stapoctl.learner_mkl": json.dumps(engines.info.get("mkl", {}))})
             loop = Loop(conf, StepRunner(conf, engines, scorer, data, start_step=int(state.get("step", 0))), sampler,
                         run_id, run_dir, base_model, policy_path, stop=stop)
             try:

@@ -344,6 +344,7 @@ class EngineLaunch:
             "eos_token_id": worker_info[0]["eos_token_id"],
             "params": learner_info[0].get("params", -1),
             "threads": dict(zip(("rollout", "learner"), thread_counts(conf))),
+            "mkl": learner_info[0].get("mkl", {}),
             "started_ray": self.started_ray,
             "nodes": {"rollout": [w.get("node_id", "") for w in worker_info],
                       "learner": [x.get("node_id", "") for x in learner_info]},
