@@ -147,12 +147,21 @@ class EngineSetup:
         self.use_cuda = use_cuda
         out = self.reset(model_path, learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
                          dtype=dtype, seed=seed, max_response_length=max_response_length)
-        out["setup_s"] = time.perf_counter() - t0
         from stapoctl.launch import mkl_shim
         from stapoctl.launch.ray_runtime import runtime_context
 
-        out["mkl"] = {"code_path": mkl_shim.mkl_code_path(), "amd_shim": mkl_shim.loaded_here()}
-
+        shim = mkl_shim.loaded_here()
+        if shim and not use_cuda:
+            # Under the MKL shim the first forward of a learner process came out slightly off in
+            # ~30% of runs (log-probs up to 7.6e-4 from vLLM's, against 5e-6 at every later step,
+            # and never without the shim): a first-use effect in MKL's AVX-512 path on this AMD
+            # CPU, once per process (a sweep's reset needs none). A discarded forward here takes it
+            # (10 of 10 runs clean after, see docs/PERFORMANCE.md); the sync canary of
+            # tests/test_train_e2e.py watches for it.
+            with torch.no_grad():
+                self.module(input_ids=torch.ones(2, 8, dtype=torch.long))
+        out["setup_s"] = time.perf_counter() - t0
+        out["mkl"] = {"code_path": mkl_shim.mkl_code_path(), "amd_shim": shim}
         ctx = runtime_context()  # None: constructed outside Ray (tests, benchmarks)
         out["node_id"] = ctx.get_node_id() if ctx is not None else ""
         return out
@@ -230,17 +239,6 @@ class EngineSetup:
             self.engine.enable_backward_allreduce = False
         self.clip = float(learner["grad_clip"]) if clips_itself(learner, bf16) else None
         self.grad_accum = grad_accum
-        if not self.use_cuda:
-            from stapoctl.launch import mkl_shim
-
-            if mkl_shim.loaded_here():
-                # Under the MKL shim the first forward of a learner process came out slightly off in
-                # ~30% of runs (log-probs up to 7.6e-4 from vLLM's, against 5e-6 at every later
-                # step, and never without the shim): a first-use effect in MKL's AVX-512 path on
-                # this AMD CPU. A discarded forward here takes it (10 of 10 runs clean after, see
-                # docs/PERFORMANCE.md); the sync canary of tests/test_train_e2e.py watches for it.
-                with torch.no_grad():
-                    model(input_ids=torch.ones(2, 8, dtype=torch.long))
         self.optimizer_steps = 0
         return {"reset_s": time.perf_counter() - t0, "rank": self.rank, "zero_stage": self.zero_stage,
                 "world_size": self.world_size,
