@@ -233,6 +233,40 @@ def write_docs(results_dir: Path = RESULTS, docs: Path = DOCS) -> Path:
 
 
 # -- shared plumbing ------------------------------------------------------------------------
+class LossClock:
+    """Seconds spent inside the loss library's entry points (`prepare_minibatch`,
+    `compute_policy_loss`), by wrapping them from outside: the learner imports them from
+    `stapoctl.losses` at call time, so the wrap sees every call without an edit to the learner.
+
+        with LossClock() as clock:
+            clock.t = 0.0; learner.train_step(...); clock.t  # seconds of this step
+    """
+
+    NAMES = ("compute_policy_loss", "prepare_minibatch")
+
+    def __enter__(self) -> "LossClock":
+        import stapoctl.losses as L
+
+        self.t, self._module = 0.0, L
+        self._originals = {k: getattr(L, k) for k in self.NAMES}
+        for k, fn in self._originals.items():
+            setattr(L, k, self._clocked(fn))
+        return self
+
+    def _clocked(self, fn):
+        def inner(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.t += time.perf_counter() - t0
+        return inner
+
+    def __exit__(self, *exc) -> None:
+        for k, fn in self._originals.items():
+            setattr(self._module, k, fn)
+
+
 def base_args(parser, *, repeats: int = 5) -> None:
     parser.add_argument("--repeats", type=int, default=repeats, help=f"measured samples per side (default {repeats})")
     parser.add_argument("--quick", action="store_true",

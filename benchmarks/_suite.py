@@ -29,6 +29,7 @@ FIRST = ("token_stats_memory", "loss_overhead", "learning", "rl_step")
 NOT_IN_ALL = (
     "sweep_overhead",  # per-trial overhead of a sweep on reused engines (docs/SWEEPS.md), ~6 min
     "sweep_summary",  # a report over a finished sweep: needs its id
+    "gpu_learner",  # the learner step on a CUDA GPU (results/gpu/): `all` runs on the machine at hand
 )
 
 

@@ -103,38 +103,23 @@ def main(argv=None) -> int:
         adv = L.compute_advantages(name, rewards, batch.group_ids, **loss_cfg)
         learners[name] = (learner, batch.with_(rewards=rewards, advantages=adv))
 
-    loss_clock = {"t": 0.0}
-    originals = {k: getattr(L, k) for k in ("compute_policy_loss", "prepare_minibatch")}
-
-    def clocked(fn):
-        def inner(*args, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                loss_clock["t"] += time.perf_counter() - t0
-        return inner
-
-    for k, fn in originals.items():
-        setattr(L, k, clocked(fn))
     step_s = {"stapo": [], "grpo": []}
     loss_s = {"stapo": [], "grpo": []}
     metrics = {}
     try:
-        for r in range(repeats + 1):  # round 0 is the warm-up
-            for name in (("stapo", "grpo") if r % 2 == 0 else ("grpo", "stapo")):
-                learner, b = learners[name]
-                loss_clock["t"] = 0.0
-                t0 = time.perf_counter()
-                m = learner.train_step(b, r + 1)
-                dt = time.perf_counter() - t0
-                if r:
-                    step_s[name].append(dt)
-                    loss_s[name].append(loss_clock["t"])
-                metrics[name] = {k: v for k, v in m.items() if not k.startswith("_")}
+        with H.LossClock() as clock:
+            for r in range(repeats + 1):  # round 0 is the warm-up
+                for name in (("stapo", "grpo") if r % 2 == 0 else ("grpo", "stapo")):
+                    learner, b = learners[name]
+                    clock.t = 0.0
+                    t0 = time.perf_counter()
+                    m = learner.train_step(b, r + 1)
+                    dt = time.perf_counter() - t0
+                    if r:
+                        step_s[name].append(dt)
+                        loss_s[name].append(clock.t)
+                    metrics[name] = {k: v for k, v in m.items() if not k.startswith("_")}
     finally:
-        for k, fn in originals.items():
-            setattr(L, k, fn)
         for learner, _ in learners.values():
             learner.shutdown()
 

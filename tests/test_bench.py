@@ -139,6 +139,48 @@ def test_bench_all_runs_every_side_by_side_script_and_only_those():
 
     scripts = _suite.scripts()
     assert list(scripts)[:4] == list(_suite.FIRST)  # cheap ones first
-    assert "sweep_summary" not in scripts and "sweep_overhead" not in scripts
+    assert "sweep_summary" not in scripts and "sweep_overhead" not in scripts and "gpu_learner" not in scripts
     for name, path in scripts.items():  # `bench all --quick` passes --quick to every script it runs
         assert "--quick" in path.read_text(), name
+
+
+def test_gpu_learner_batch_has_both_outcomes_in_every_group_and_spread_lengths():
+    import gpu_learner
+
+    batch, rewards = gpu_learner.fixed_batch(prompts=3, n=4, prompt_len=16, response_len=40)
+    assert len(batch) == 12 and batch.prompt_length == 16
+    lengths = batch.response_mask.sum(1)
+    assert int(lengths.min()) >= 10 and int(lengths.max()) <= 40 and len(set(lengths.tolist())) > 3
+    groups = rewards.view(3, 4)
+    assert bool((groups.max(1).values == 1).all() and (groups.min(1).values == -1).all())
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+def test_gpu_learner_without_a_gpu_says_so_in_one_line():
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_learner.py"
+    out = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "Traceback" not in out.stderr
+
+
+def test_loss_clock_times_the_loss_library_and_restores_it():
+    import torch
+
+    import stapoctl.losses as L
+
+    original = L.compute_policy_loss
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    args = dict(log_prob=torch.zeros(2, 3), old_log_prob=torch.zeros(2, 3), advantages=torch.ones(2, 3),
+                response_mask=mask, entropy=torch.ones(2, 3))
+    with H.LossClock() as clock:
+        assert L.compute_policy_loss is not original
+        L.compute_policy_loss("grpo", **args)
+        first = clock.t
+        assert first > 0
+        L.compute_policy_loss("grpo", **args)
+        assert clock.t > first
+    assert L.compute_policy_loss is original

@@ -100,3 +100,28 @@ def test_distinct_prompts_use_the_plain_forward(model):
     out = shared_prefix_hidden(model.get_decoder(), batch.input_ids(), batch.attention_mask(),
                                batch.position_ids(), batch.prompt_length, batch.response_length)
     assert out is None
+
+
+@pytest.mark.parametrize("setting, on_cuda, zero_stage, checkpointing, expected", [
+    (None, False, 0, False, True),  # auto: a CPU learner shares the prompts
+    (None, True, 0, False, False),  # auto: a GPU learner does not (launch-bound, docs/PERFORMANCE.md)
+    (True, True, 0, False, True),  # an explicit setting wins on either device
+    (False, False, 0, False, False),
+    (True, False, 3, False, False),  # ZeRO-3 and checkpointing keep no KV cache to share
+    (True, False, 0, True, False),
+])
+def test_enabled_resolves_auto_by_device(setting, on_cuda, zero_stage, checkpointing, expected):
+    from stapoctl.learner.shared_prefix import enabled
+
+    learner = {"shared_prefix": setting, "zero_stage": zero_stage, "gradient_checkpointing": checkpointing}
+    assert enabled(learner, on_cuda) is expected
+
+
+def test_the_run_tag_says_what_auto_resolved_to():
+    from stapoctl.config.compose import compose_config
+    from stapoctl.trainer.engines import learner_shared_prefix
+
+    assert learner_shared_prefix(compose_config([])) == "on"
+    assert learner_shared_prefix(compose_config(["learner.gpus_per_rank=1"])) == "off"
+    assert learner_shared_prefix(compose_config(["learner.gpus_per_rank=1", "learner.shared_prefix=true"])) == "on"
+    assert learner_shared_prefix(compose_config(["learner.shared_prefix=false"])) == "off"

@@ -37,6 +37,14 @@ def test_runtime_context_outside_ray_starts_no_ray():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+def test_runtime_context_without_ray_imported_neither_imports_nor_needs_it():
+    # a GPU node may run a learner where ray is not installed: asking must not import it
+    code = ("import sys; from stapoctl.launch.ray_runtime import in_ray_actor, runtime_context; "
+            "assert runtime_context() is None and not in_ray_actor(); assert 'ray' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_frozen_imports_are_released_at_exit():
     # gc.freeze keeps objects out of the interpreter's final collection unless they are thawed
     # at exit; triton's bindings (imported with torch here) then print "nanobind: leaked ..."

@@ -68,6 +68,7 @@ def test_metrics_are_logged_every_step(run):
     # the run states which MKL kernels its learner ran (launch/mkl_shim.py): AVX-512 ones on an AMD CPU
     from stapoctl.launch import mkl_shim
 
+    assert data.tags["stapoctl.learner_shared_prefix"] == "on"  # learner.shared_prefix=null: auto, CPU learner
     mkl = json.loads(data.tags["stapoctl.learner_mkl"])
     if mkl_shim.preload_env():
         assert mkl["amd_shim"] is True and mkl["code_path"] > 0, mkl

@@ -154,8 +154,10 @@ class LearnerConfig:
     logits_chunk_size: int = spec(1024, range=POSITIVE_INT)
     gradient_checkpointing: bool = False
     # each distinct prompt of a micro-batch forwarded once, its K/V shared by its n responses
-    # (learner/shared_prefix.py; same log-probs and gradients; off under ZeRO-3 / checkpointing)
-    shared_prefix: bool = True
+    # (learner/shared_prefix.py; same log-probs and gradients; off under ZeRO-3 / checkpointing).
+    # null = auto: on for a CPU learner, off on a GPU, where the second pass's kernel launches
+    # cost more than the prompt compute it saves (docs/PERFORMANCE.md, GPU section)
+    shared_prefix: Optional[bool] = None
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer state on CPU (stages 1-3)
     num_threads: int = 0  # intra-op threads per rank; 0 = auto (as rollout.num_threads)
 

@@ -8,6 +8,7 @@ cluster another user on the same machine started last (/tmp/ray/ray_current_clus
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -149,8 +150,11 @@ def runtime_context():
     """Ray's runtime context inside a Ray process, else None.
 
     `ray.get_runtime_context()` outside Ray starts a whole local instance (~5-10 s and a stray
-    Ray left running); engines built directly in a test or a benchmark must not pay that.
+    Ray left running); engines built directly in a test or a benchmark must not pay that. A
+    process that has not imported ray is in no Ray (a GPU node may run a learner without it).
     """
+    if "ray" not in sys.modules:
+        return None
     import ray
 
     return ray.get_runtime_context() if ray.is_initialized() else None

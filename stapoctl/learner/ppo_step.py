@@ -46,7 +46,7 @@ class PPOStep:
     def _token_stats_on(self, mb):
         import torch
 
-        from stapoctl.learner.shared_prefix import shared_prefix_hidden
+        from stapoctl.learner import shared_prefix
         from stapoctl.losses import token_stats
 
         input_ids = mb.input_ids().to(self.device)
@@ -62,9 +62,8 @@ class PPOStep:
                                temperature=self.temperature, return_sum_p2=True)
         decoder = self.module.get_decoder()
         hidden = None
-        if self.learner.get("shared_prefix", True) and not self.learner.get("gradient_checkpointing"):
-            # checkpointed layers drop the KV cache the shared-prefix forward is made of
-            hidden = shared_prefix_hidden(decoder, input_ids, attn, pos, p, r)
+        if shared_prefix.enabled(self.learner, self.device.type == "cuda"):
+            hidden = shared_prefix.shared_prefix_hidden(decoder, input_ids, attn, pos, p, r)
         if hidden is None:
             hidden = decoder(input_ids=input_ids, attention_mask=attn, position_ids=pos)
             hidden = hidden.last_hidden_state[:, p - 1 : p + r - 1]

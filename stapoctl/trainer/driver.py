@@ -408,7 +408,7 @@ def _train(conf: DictConfig, console: Console, session: Any, stop, own: bool) ->
     from stapoctl.models.tiny import base_eval
     from stapoctl.tracking import mlflow_run
     from stapoctl.trainer import checkpoint
-    from stapoctl.trainer.engines import old_logprob_source
+    from stapoctl.trainer.engines import learner_shared_prefix, old_logprob_source
     from stapoctl.trainer.preflight import run_preflight
     from stapoctl.trainer.run_status import tracked_run
     from stapoctl.trainer.sampler import PromptSampler
@@ -476,7 +476,8 @@ def _train(conf: DictConfig, console: Console, session: Any, stop, own: bool) ->
                           "stapoctl.old_logprob_source": old_logprob_source(conf),
                           "stapoctl.threads": json.dumps(engines.info.get("threads", {})),
                           "stapoctl.nodes": json.dumps(engines.info.get("nodes", {})),
-                          "stapoctl.learner_mkl": json.dumps(engines.info.get("mkl", {}))})
+                          "stapoctl.learner_mkl": json.dumps(engines.info.get("mkl", {})),
+                          "stapoctl.learner_shared_prefix": learner_shared_prefix(conf)})
             loop = Loop(conf, StepRunner(conf, engines, scorer, data, start_step=int(state.get("step", 0))), sampler,
                         run_id, run_dir, base_model, policy_path, stop=stop)
             try:

@@ -69,6 +69,14 @@ def old_logprob_source(conf: DictConfig) -> str:
     return "rollout" if exact else "recompute"
 
 
+def learner_shared_prefix(conf: DictConfig) -> str:
+    """"on" / "off": what `learner.shared_prefix` (null = auto by device) resolves to for this run."""
+    from stapoctl.learner import shared_prefix
+
+    on_gpu = float(conf.learner.gpus_per_rank or 0) > 0
+    return "on" if shared_prefix.enabled(dict(conf.learner), on_gpu) else "off"
+
+
 def learner_args(conf: DictConfig) -> dict[str, Any]:
     """Everything a learner rank's `setup` / `reset` takes from a run's config."""
     r = conf.rollout
