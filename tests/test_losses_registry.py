@@ -82,3 +82,28 @@ def test_register_loss_checks_the_config_name():
     with pytest.raises(TypeError, match="first field"):
         register_loss("my_loss", Bad)(lambda batch, cfg: None)
     assert "my_loss" not in LOSSES
+
+
+def test_the_torch_free_config_table_names_every_method_with_its_config():
+    # composing a config reads LOSS_CONFIGS (no torch); it must agree with the registry
+    from stapoctl.config.losses import LOSS_CONFIGS
+
+    assert list(LOSS_CONFIGS) == list(LOSSES)
+    assert all(LOSS_CONFIGS[k] is LOSSES[k].config_cls for k in LOSSES)
+
+
+def test_a_loss_registered_at_run_time_joins_the_config_table():
+    from dataclasses import dataclass
+
+    from stapoctl.config.losses import LOSS_CONFIGS
+
+    @dataclass
+    class MyCfg:
+        name: str = "my_runtime_loss"
+
+    try:
+        register_loss("my_runtime_loss", MyCfg)(lambda batch, cfg: None)
+        assert LOSS_CONFIGS["my_runtime_loss"] is MyCfg and "my_runtime_loss" in LOSSES
+    finally:
+        LOSSES.pop("my_runtime_loss", None)
+        LOSS_CONFIGS.pop("my_runtime_loss", None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 
@@ -195,3 +196,15 @@ print(n)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         counts[who] = int(out.stdout.split()[-1])
     assert counts == {"ours": 0, "plain": 2}
+
+
+def test_composing_and_checking_a_training_config_imports_no_torch(shared_home):
+    # `stapoctl train` imports torch on a driver thread while Ray starts (~1 s of the start-up):
+    # nothing before ray.init may import it for a CPU run
+    code = ("import sys; from stapoctl.config.compose import compose_config; "
+            "from stapoctl.trainer.driver import check_config, _quiet_engine_logs; "
+            f"conf = compose_config({shared_home.overrides!r}); check_config(conf); _quiet_engine_logs(conf); "
+            "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
+    env = {**os.environ, "STAPOCTL_HOME": str(shared_home.home)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -41,7 +41,7 @@ def register_configs() -> None:
     global _registered
     if _registered:
         return
-    from stapoctl.losses import LOSSES
+    from stapoctl.config.losses import LOSS_CONFIGS  # torch-free: not the loss library itself
 
     cs = ConfigStore.instance()
     cs.store(name="stapoctl", node=S.StapoctlConfig)
@@ -54,8 +54,8 @@ def register_configs() -> None:
         name="dapo_math_17k",
         node=S.DataConfig(name="dapo-math-17k", train_batch_size=256, max_prompt_length=1024),
     )
-    for name, spec in LOSSES.items():
-        cs.store(group="loss", name=name, node=spec.config_cls())
+    for name, config_cls in LOSS_CONFIGS.items():
+        cs.store(group="loss", name=name, node=config_cls())
     for group, node in (
         ("rollout", S.RolloutConfig),
         ("learner", S.LearnerConfig),
@@ -140,7 +140,7 @@ def _rewrite(overrides: list[str]) -> tuple[str, list[str]]:
 
 def _loss_schema(experiment: str, overrides: list[str], bad_key: str) -> type:
     """The config class of the loss this run selects (compose again without the bad key)."""
-    from stapoctl.losses import LOSSES
+    from stapoctl.config.losses import LOSS_CONFIGS
 
     rest = [o for o in overrides if o.partition("=")[0].lstrip("+~") != bad_key]
     try:
@@ -150,7 +150,7 @@ def _loss_schema(experiment: str, overrides: list[str], bad_key: str) -> type:
         name = "stapo"
     finally:
         GlobalHydra.instance().clear()
-    return LOSSES[name].config_cls if name in LOSSES else LOSSES["stapo"].config_cls
+    return LOSS_CONFIGS.get(name, LOSS_CONFIGS["stapo"])
 
 
 def _explain(exc: Exception, experiment: str, overrides: list[str]) -> ConfigError:

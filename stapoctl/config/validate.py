@@ -56,16 +56,16 @@ def validate_config(conf: DictConfig) -> None:
 
 
 def _check_loss(loss: DictConfig) -> None:
-    from stapoctl.losses import LOSSES
+    from stapoctl.config.losses import LOSS_CONFIGS
 
-    spec = LOSSES.get(str(loss.name))
-    if spec is None:  # Hydra already refuses an unknown loss=NAME; a hand-made config may not
+    config_cls = LOSS_CONFIGS.get(str(loss.name))
+    if config_cls is None:  # Hydra already refuses an unknown loss=NAME; a hand-made config may not
         raise UserError(f"loss.name={loss.name}: not a registered loss (see `stapoctl losses`)")
-    for name, value, why in problems(spec.config_cls, loss):
-        raise _field_error(f"loss.{name}", spec.config_cls, name, value, why)
+    for name, value, why in problems(config_cls, loss):
+        raise _field_error(f"loss.{name}", config_cls, name, value, why)
     values = OmegaConf.to_container(loss, resolve=True)
     try:
-        spec.config_cls(**values)  # the loss's own cross-field rules (clip floor <= ceiling, ...)
+        config_cls(**values)  # the loss's own cross-field rules (clip floor <= ceiling, ...)
     except (ValueError, TypeError) as exc:
         names = "|".join(re.escape(k) for k in values)
         message = re.sub(rf"^{re.escape(str(loss.name))}: ", "", str(exc).splitlines()[0])
@@ -166,18 +166,25 @@ def _train_dataset(conf: DictConfig) -> str:
 
 
 # placement and devices
-def check_machine(conf: DictConfig, *, learner: bool = True) -> None:
-    """GPUs asked for on a machine without one; a local placement that can never fit."""
-    c = conf.cluster
-    if c.name != "local" or c.address:
-        return  # a Ray cluster or SLURM job: checked where the resources are (make_placement)
+def gpus_asked(conf: DictConfig, *, learner: bool = True) -> list[tuple[str, Any]]:
+    """The (key, value) pairs of the config that ask for GPUs."""
     gpu_fields = [("rollout.gpus_per_worker", conf.rollout.gpus_per_worker)]
     if learner:
         gpu_fields.append(("learner.gpus_per_rank", conf.learner.get("gpus_per_rank", 0)))
     if conf.reward.model_verifier:
         gpu_fields.append(("reward.model_verifier_gpus", conf.reward.model_verifier_gpus))
-    asked = [(k, v) for k, v in gpu_fields if float(v or 0) > 0]
-    gpus = _local_gpus()
+    return [(k, v) for k, v in gpu_fields if float(v or 0) > 0]
+
+
+def check_machine(conf: DictConfig, *, learner: bool = True) -> None:
+    """GPUs asked for on a machine without one; a local placement that can never fit."""
+    c = conf.cluster
+    if c.name != "local" or c.address:
+        return  # a Ray cluster or SLURM job: checked where the resources are (make_placement)
+    asked = gpus_asked(conf, learner=learner)
+    # counting GPUs imports torch (~1 s, then off `stapoctl train`'s path to Ray): without a GPU
+    # asked for, the count changes no check
+    gpus = _local_gpus() if asked else 0
     if asked and gpus == 0:
         names = " ".join(f"{k}=0" for k, _ in asked)
         raise UserError(

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .config import ADV_ESTIMATORS, STD_MODES
+from stapoctl.config.losses import ADV_ESTIMATORS, STD_MODES
 from .registry import LOSSES, closest, split_kwargs
 
 

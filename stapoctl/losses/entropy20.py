@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from stapoctl.config.losses import Entropy20Config
 
 from .batch import PolicyBatch
-from .config import AggFields, _f
 from .diagnostics import standard_metrics
 from .masks import high_entropy_mask, masked_quantile
 from .pg import aggregate_with_context, surrogate_of
 from .registry import register_loss
-
-
-@dataclass
-class Entropy20Config(AggFields):
-    """DAPO surrogate on tokens with H_t >= quantile(H over M, 1 - top_entropy_frac)."""
-
-    name: str = _f("entropy20", "registry key of the loss (loss=NAME)")
-    top_entropy_frac: float = _f(0.2, "fraction of highest-entropy response tokens that get gradient",
-                                 range="(0, 1]")
-    renormalize: bool = _f(
-        False,
-        "divide by the selected-token count instead of |M| (the 80/20 paper keeps 1/sum|o_i|)",
-    )
 
 
 @register_loss("entropy20", Entropy20Config)

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from .config import QUANTILE_MODES
+from stapoctl.config.losses import QUANTILE_MODES
 
 S2T_KINDS = ("s2t", "prob_only", "high_entropy")
 

@@ -2,40 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from torch import Tensor
 
+from stapoctl.config.losses import DAPOConfig, GRPOConfig, JustRLConfig
+
 from .batch import PolicyBatch
-from .config import AggFields, _f
 from .diagnostics import standard_metrics
 from .registry import register_loss
 from .surrogate import Surrogate, aggregate, clipped_surrogate, normaliser
-
-
-@dataclass
-class GRPOConfig(AggFields):
-    """GRPO (000 §2.2): symmetric clip, mean over responses of the mean over their tokens."""
-
-    name: str = _f("grpo", "registry key of the loss (loss=NAME)")
-    clip_ratio_low: float = _f(0.2, "epsilon_low: ratio floor 1 - clip_ratio_low")
-    clip_ratio_high: float = _f(0.2, "epsilon_high: ratio ceiling 1 + clip_ratio_high")
-    loss_agg_mode: str = _f("seq-mean-token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum")
-
-
-@dataclass
-class DAPOConfig(AggFields):
-    """DAPO (000 §2.3): clip-higher [0.8, 1.28], token-mean over the mini-batch, dual clip off."""
-
-    name: str = _f("dapo", "registry key of the loss (loss=NAME)")
-
-
-@dataclass
-class JustRLConfig(DAPOConfig):
-    """JustRL (000 baseline [3]): DAPO clip-higher + token-mean, no KL, no entropy bonus."""
-
-    name: str = _f("justrl", "registry key of the loss (loss=NAME)")
 
 
 def surrogate_of(batch: PolicyBatch, cfg: Any, *, advantages: Optional[Tensor] = None,

@@ -35,6 +35,8 @@ import difflib
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
 
+from stapoctl.config.losses import LOSS_CONFIGS
+
 EXTRA_KEYS = frozenset(
     {"group_ids", "global_step", "sum_p2", "hidden_norm", "max_response_length", "ref_log_prob",
      "behavior_log_prob", "is_cap"}
@@ -65,6 +67,7 @@ def register_loss(name: str, config_cls: type, doc: Optional[str] = None) -> Cal
         if name in LOSSES:
             raise ValueError(f"loss {name!r} is already registered")
         LOSSES[name] = LossSpec(name=name, fn=fn, config_cls=config_cls, doc=(doc or fn.__doc__ or "").strip())
+        LOSS_CONFIGS[name] = config_cls  # composing a config sees it (config.compose reads LOSS_CONFIGS)
         return fn
 
     return deco

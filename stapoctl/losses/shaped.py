@@ -7,46 +7,14 @@ advantage signs (shaping keeps the sign for |alpha*w| < 1 and adds sign(A)*b).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
+from stapoctl.config.losses import PPLShapingConfig, PositionShapingConfig
+
 from .batch import PolicyBatch
-from .config import _f
-from .pg import GRPOConfig, clipped_pg_loss
+from .pg import clipped_pg_loss
 from .registry import register_loss
-from .shaping import REL_POS_MODES, position_bonus, ppl_weights
-
-
-@dataclass
-class PPLShapingConfig(GRPOConfig):
-    """A~ = A * (1 - alpha * w_ppl), w_ppl the standardised log-PPL within the prompt's group."""
-
-    name: str = _f("ppl_shaping", "registry key of the loss (loss=NAME)")
-    alpha: float = _f(0.01, "alpha of (1 - alpha * w_ppl) (003 §5: 0.01, favours low-PPL responses)")
-
-
-@dataclass
-class PositionShapingConfig(GRPOConfig):
-    """A~_t = A_t + sign(A_t) * gamma * sigmoid(d * m * (l_t - n)) inside a step window."""
-
-    name: str = _f("position_shaping", "registry key of the loss (loss=NAME)")
-    gamma: float = _f(0.1, "bonus scale gamma (003 method: 0.1; 003 analysis: 1.0)")
-    direction: float = _f(1.0, "d: +1 favours later tokens, -1 earlier ones")
-    pos_scale: float = _f(15.0, "m in r = m * (l - n) (003 §5)")
-    pos_shift: float = _f(0.5, "n in r = m * (l - n); 003 prints -0.5, which makes the bonus constant (READING)")
-    rel_pos_mode: str = _f("closed", "l_t: closed = t/(|o|-1) in [0, 1] (003) | spec = (t+1)/|o| in (0, 1]",
-                           choices=REL_POS_MODES)
-    start_step: int = _f(0, "first global_step with the bonus (003 used 200, the plateau stage)", range="[0, inf)")
-    stop_step: Optional[int] = _f(None, "first global_step without it again (003: start + 100); None = never",
-                                  range="[0, inf)")
-
-    def validate(self) -> None:
-        super().validate()
-        if self.stop_step is not None and self.stop_step <= self.start_step:
-            raise ValueError(f"{self.name}: stop_step={self.stop_step} <= start_step={self.start_step} (the bonus "
-                             "window would be empty)")
+from .shaping import position_bonus, ppl_weights
 
 
 @register_loss("ppl_shaping", PPLShapingConfig)

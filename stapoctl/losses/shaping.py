@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from stapoctl.config.losses import REL_POS_MODES
+
 from .advantages import group_standardize
 
-REL_POS_MODES = ("closed", "spec")
 
 
 def sequence_log_ppl(log_prob: Tensor, mask: Tensor) -> Tensor:

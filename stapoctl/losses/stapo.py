@@ -2,36 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from stapoctl.config.losses import STAPOConfig, STAPOHighEntropyConfig, STAPOProbOnlyConfig
 
 from .batch import PolicyBatch
-from .config import AggFields, _f
 from .diagnostics import standard_metrics
 from .masks import entropy_threshold, s2t_mask
 from .pg import aggregate_with_context, surrogate_of
 from .registry import register_loss
-
-
-@dataclass
-class STAPOConfig(AggFields):
-    """STAPO: DAPO + S2T mask, loss renormalised by the count of unmasked tokens."""
-
-    name: str = _f("stapo", "registry key of the loss (loss=NAME)")
-    renormalize: bool = _f(True, "divide by sum_t I_t (000 Eq. 1) rather than by |M|")
-
-
-@dataclass
-class STAPOProbOnlyConfig(STAPOConfig):
-    """Ablation: silence A > 0 and pi < tau_p (no entropy condition)."""
-
-    name: str = _f("stapo_prob_only", "registry key of the loss (loss=NAME)")
-
-
-@dataclass
-class STAPOHighEntropyConfig(STAPOConfig):
-    """Ablation: silence A > 0 and pi < tau_p and H >= h*."""
-
-    name: str = _f("stapo_high_entropy", "registry key of the loss (loss=NAME)")
 
 
 def s2t_loss(batch: PolicyBatch, cfg: STAPOConfig, kind: str):

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .config import AGG_MODES
+from stapoctl.config.losses import AGG_MODES
 
 LOG_RATIO_CLAMP = 20.0  # exp(±20) keeps ratios finite when a policy drifts far (verl does the same)
 

@@ -2,37 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from stapoctl.config.losses import TRGRPOConfig
+
 from .batch import PolicyBatch
-from .config import AggFields, _f
 from .pg import clipped_pg_loss
 from .registry import register_loss
 from .surrogate import LOG_RATIO_CLAMP
-from .weights import TAU_MODES, tr_grpo_weight
-
-
-@dataclass
-class TRGRPOConfig(AggFields):
-    """TR-GRPO on the project's DAPO base (clip 0.2/0.28, token-mean); KL off like STAPO."""
-
-    name: str = _f("tr_grpo", "registry key of the loss (loss=NAME)")
-    alpha: float = _f(2.0, "alpha of w = clip(alpha*(sigmoid(z) - mu), L, U) (004 App. B)")
-    mu: float = _f(0.25, "mu of the token weight")
-    weight_low: float = _f(1.0, "L: lower clip of the token weight", range="[0, inf)")
-    weight_high: float = _f(1.4, "U: upper clip of the token weight", range="[0, inf)")
-    tau: float = _f(9.0, "tau of the sigmoid argument (004 sweep: 0.5, 2, 7, 9, 10, 20)", range="(0, inf)")
-    tau_mode: str = _f("multiply", "z = tau*pi (multiply, SPEC reading) | pi/tau (divide, as printed: w = 1)",
-                       choices=TAU_MODES)
-    kl_coef: float = _f(0.0, "beta of the weighted KL term to pi_ref (004 used 0.001); needs ref_log_prob",
-                        range="[0, inf)")
-
-    def validate(self) -> None:
-        super().validate()
-        if self.weight_low > self.weight_high:
-            raise ValueError(f"{self.name}: weight_low={self.weight_low} > weight_high={self.weight_high}")
+from .weights import tr_grpo_weight
 
 
 @register_loss("tr_grpo", TRGRPOConfig)

@@ -12,31 +12,16 @@ inactive (002 §4), so the shared surrogate is reused.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
+from stapoctl.config.losses import WAPOConfig
+
 from .advantages import group_index
 from .batch import PolicyBatch
-from .config import ClipFields, _f
 from .diagnostics import standard_metrics
 from .pg import surrogate_of
 from .registry import register_loss
-
-WINNER_NORMS = ("group", "winners")
-PROMPT_NORMS = ("winners", "all")
-
-
-@dataclass
-class WAPOConfig(ClipFields):
-    """WAPO: only A+ terms, 1/(G*T_max) per prompt, prompts without a winner contribute nothing."""
-
-    name: str = _f("wapo", "registry key of the loss (loss=NAME)")
-    winner_norm: str = _f("group", "per-prompt divisor: group (G, 002 default) | winners (G*r_bar variant)",
-                          choices=WINNER_NORMS)
-    prompt_norm: str = _f("winners", "average over prompts with a winner (conditional E_x) | all prompts",
-                          choices=PROMPT_NORMS)
 
 
 def wapo_row_weights(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-TAU_MODES = ("multiply", "divide")
+from stapoctl.config.losses import TAU_MODES
+
 
 
 def tr_grpo_weight(

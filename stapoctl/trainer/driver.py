@@ -398,7 +398,7 @@ def train(conf: DictConfig, console: Optional[Console] = None, session: Any = No
 
     console = console or Console()
     check_config(conf)
-    _quiet_engine_logs()
+    _quiet_engine_logs(conf)
     own = session is None
     with GracefulStop(console) as stop, (EngineSession(console) if own else contextlib.nullcontext(session)) as session:
         return _train(conf, console, session, stop, own)
@@ -549,14 +549,21 @@ def learner_faults(engines, run_id: str, run_dir: Path):
                         f"{where} with `stapoctl train resume={run_id}`") from exc
 
 
-def _quiet_engine_logs() -> None:
-    """DeepSpeed announces its accelerator when imported (for the env snapshot): say it up front."""
+def _quiet_engine_logs(conf: DictConfig) -> None:
+    """DeepSpeed announces its accelerator when imported (for the env snapshot): say it up front.
+
+    A run that asks for no GPU needs DeepSpeed's CPU accelerator whatever the machine has, so
+    only a GPU run imports torch to look (torch then loads on a thread while Ray starts)."""
     import os
 
-    import torch
+    from stapoctl.config.validate import gpus_asked
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if gpus_asked(conf):
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 @dataclass

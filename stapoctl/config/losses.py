@@ -1,0 +1,253 @@
+"""The loss configs: one typed dataclass per registered method, and the fields they share.
+
+They are the `loss` group's nodes in Hydra's ConfigStore, so they live apart from the tensor
+code of `stapoctl.losses`: composing and checking a config (`stapoctl train --cfg job`, bad
+input refused before anything starts, a sweep's plan) imports neither torch nor the methods, and
+`stapoctl train` imports torch on a thread while Ray starts. `LOSS_CONFIGS` names the built-ins;
+`stapoctl.losses.register_loss` adds a method registered at run time.
+
+Every field is Hydra/OmegaConf-friendly (int/float/bool/str/Optional of those) and carries
+its help text in ``metadata["help"]`` so `stapoctl losses` and docs/LOSSES.md can show it, and
+its valid values (``range="(0, 1]"`` or ``choices=...``, see `stapoctl.config.fields`): checked
+when a config is built and by `stapoctl train` before anything starts. A subclass redeclaring a
+field only to change its default keeps the range declared here.
+Each registered config redeclares ``name`` so that it stays the first field with the
+registry key as default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from stapoctl.config.fields import problems, spec
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+STD_MODES = ("population", "unbiased")
+ADV_ESTIMATORS = ("grpo", "dr_grpo")
+QUANTILE_MODES = ("linear", "lower", "higher", "midpoint")
+
+# value sets of method-specific fields (the tensor code checks them again where it branches)
+REL_POS_MODES = ("closed", "spec")  # position_shaping: l_t = t/(|o|-1) or (t+1)/|o|
+TAU_MODES = ("multiply", "divide")  # tr_grpo: z = tau*pi or pi/tau
+WINNER_NORMS = ("group", "winners")  # wapo: per-prompt divisor G or G*r_bar
+PROMPT_NORMS = ("winners", "all")  # wapo: average over prompts with a winner, or over all
+
+
+def _f(default: Any, help: str, *, range: Optional[str] = None, choices: Optional[tuple] = None,
+       why: Optional[str] = None) -> Any:
+    return spec(default, help, range=range, choices=choices, why=why)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_fields(cfg: Any) -> None:
+    """Every declared range and choice of the config's fields (the first violation raises)."""
+    for name, value, why in problems(type(cfg), cfg):
+        raise ValueError(f"{cfg.name}: {name}={value!r} {why}")
+
+
+@dataclass
+class AdvantageFields:
+    """How rewards become advantages (rewards arrive already scored)."""
+
+    name: str = _f("", "registry key of the loss (loss=NAME)")
+    adv_estimator: str = _f("grpo", "grpo: (R-mean_G)/(std_G+eps); dr_grpo: R-mean_G (no std division)",
+                            choices=ADV_ESTIMATORS)
+    std_mode: str = _f(
+        "population",
+        "group std: population (SPEC default) or unbiased (verl's torch.std); record it",
+        choices=STD_MODES,
+    )
+    adv_eps: float = _f(1e-6, "epsilon added to the group std (advantages and PPL standardisation)",
+                        range="[0, inf)")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Declared ranges and choices; subclasses add cross-field checks after calling this."""
+        check_fields(self)
+
+
+@dataclass
+class DiagnosticFields(AdvantageFields):
+    """S2T thresholds: applied by the STAPO family, only measured (metrics) by the others."""
+
+    tau_p: float = _f(2e-3, "S2T absolute probability threshold: candidate iff pi(y_t) < tau_p (000 Remark 3.5)",
+                      range="(0, 1]", why="a probability; 0 silences nothing, which is loss=dapo")
+    tau_h: float = _f(
+        0.2,
+        "fraction of high-entropy tokens exempt from S2T: h* = quantile(H over M, 1 - tau_h) (SPEC reading)",
+        range="[0, 1]",
+    )
+    quantile_interpolation: str = _f("linear", "interpolation of entropy quantiles: linear | lower | higher | midpoint",
+                                     choices=QUANTILE_MODES)
+
+
+@dataclass
+class ClipFields(DiagnosticFields):
+    """PPO-style ratio clipping."""
+
+    clip_ratio_low: float = _f(0.2, "epsilon_low: ratio floor 1 - clip_ratio_low", range="[0, 1]")
+    clip_ratio_high: float = _f(0.28, "epsilon_high: ratio ceiling 1 + clip_ratio_high (clip-higher)",
+                                range="[0, inf)")
+    clip_ratio_c: Optional[float] = _f(None, "dual-clip constant c > 1 for negative advantages; None = off",
+                                       range="(1, inf)")
+
+    def validate(self) -> None:
+        super().validate()
+        # clip-higher widens the ceiling; a floor wider than the ceiling is a swapped pair
+        _check(
+            self.clip_ratio_low <= self.clip_ratio_high,
+            f"{self.name}: clip_ratio_low={self.clip_ratio_low} > clip_ratio_high={self.clip_ratio_high} "
+            "(swapped? DAPO uses 0.2 and 0.28)",
+        )
+
+
+@dataclass
+class AggFields(ClipFields):
+    """How token terms become one scalar."""
+
+    loss_agg_mode: str = _f("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum", choices=AGG_MODES)
+    per_microbatch_norm: bool = _f(
+        False,
+        "normalise by the micro-batch's own count (verl's biased behaviour; the learner then "
+        "scales by 1/n_micro) instead of the mini-batch count from prepare_minibatch",
+    )
+
+
+# -- one config per registered method (the loss group's nodes) ----------------------------
+
+
+@dataclass
+class GRPOConfig(AggFields):
+    """GRPO (000 §2.2): symmetric clip, mean over responses of the mean over their tokens."""
+
+    name: str = _f("grpo", "registry key of the loss (loss=NAME)")
+    clip_ratio_low: float = _f(0.2, "epsilon_low: ratio floor 1 - clip_ratio_low")
+    clip_ratio_high: float = _f(0.2, "epsilon_high: ratio ceiling 1 + clip_ratio_high")
+    loss_agg_mode: str = _f("seq-mean-token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum")
+
+
+@dataclass
+class DAPOConfig(AggFields):
+    """DAPO (000 §2.3): clip-higher [0.8, 1.28], token-mean over the mini-batch, dual clip off."""
+
+    name: str = _f("dapo", "registry key of the loss (loss=NAME)")
+
+
+@dataclass
+class JustRLConfig(DAPOConfig):
+    """JustRL (000 baseline [3]): DAPO clip-higher + token-mean, no KL, no entropy bonus."""
+
+    name: str = _f("justrl", "registry key of the loss (loss=NAME)")
+
+
+@dataclass
+class STAPOConfig(AggFields):
+    """STAPO: DAPO + S2T mask, loss renormalised by the count of unmasked tokens."""
+
+    name: str = _f("stapo", "registry key of the loss (loss=NAME)")
+    renormalize: bool = _f(True, "divide by sum_t I_t (000 Eq. 1) rather than by |M|")
+
+
+@dataclass
+class STAPOProbOnlyConfig(STAPOConfig):
+    """Ablation: silence A > 0 and pi < tau_p (no entropy condition)."""
+
+    name: str = _f("stapo_prob_only", "registry key of the loss (loss=NAME)")
+
+
+@dataclass
+class STAPOHighEntropyConfig(STAPOConfig):
+    """Ablation: silence A > 0 and pi < tau_p and H >= h*."""
+
+    name: str = _f("stapo_high_entropy", "registry key of the loss (loss=NAME)")
+
+
+@dataclass
+class Entropy20Config(AggFields):
+    """DAPO surrogate on tokens with H_t >= quantile(H over M, 1 - top_entropy_frac)."""
+
+    name: str = _f("entropy20", "registry key of the loss (loss=NAME)")
+    top_entropy_frac: float = _f(0.2, "fraction of highest-entropy response tokens that get gradient",
+                                 range="(0, 1]")
+    renormalize: bool = _f(
+        False,
+        "divide by the selected-token count instead of |M| (the 80/20 paper keeps 1/sum|o_i|)",
+    )
+
+
+@dataclass
+class WAPOConfig(ClipFields):
+    """WAPO: only A+ terms, 1/(G*T_max) per prompt, prompts without a winner contribute nothing."""
+
+    name: str = _f("wapo", "registry key of the loss (loss=NAME)")
+    winner_norm: str = _f("group", "per-prompt divisor: group (G, 002 default) | winners (G*r_bar variant)",
+                          choices=WINNER_NORMS)
+    prompt_norm: str = _f("winners", "average over prompts with a winner (conditional E_x) | all prompts",
+                          choices=PROMPT_NORMS)
+
+
+@dataclass
+class TRGRPOConfig(AggFields):
+    """TR-GRPO on the project's DAPO base (clip 0.2/0.28, token-mean); KL off like STAPO."""
+
+    name: str = _f("tr_grpo", "registry key of the loss (loss=NAME)")
+    alpha: float = _f(2.0, "alpha of w = clip(alpha*(sigmoid(z) - mu), L, U) (004 App. B)")
+    mu: float = _f(0.25, "mu of the token weight")
+    weight_low: float = _f(1.0, "L: lower clip of the token weight", range="[0, inf)")
+    weight_high: float = _f(1.4, "U: upper clip of the token weight", range="[0, inf)")
+    tau: float = _f(9.0, "tau of the sigmoid argument (004 sweep: 0.5, 2, 7, 9, 10, 20)", range="(0, inf)")
+    tau_mode: str = _f("multiply", "z = tau*pi (multiply, SPEC reading) | pi/tau (divide, as printed: w = 1)",
+                       choices=TAU_MODES)
+    kl_coef: float = _f(0.0, "beta of the weighted KL term to pi_ref (004 used 0.001); needs ref_log_prob",
+                        range="[0, inf)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.weight_low > self.weight_high:
+            raise ValueError(f"{self.name}: weight_low={self.weight_low} > weight_high={self.weight_high}")
+
+
+@dataclass
+class PPLShapingConfig(GRPOConfig):
+    """A~ = A * (1 - alpha * w_ppl), w_ppl the standardised log-PPL within the prompt's group."""
+
+    name: str = _f("ppl_shaping", "registry key of the loss (loss=NAME)")
+    alpha: float = _f(0.01, "alpha of (1 - alpha * w_ppl) (003 §5: 0.01, favours low-PPL responses)")
+
+
+@dataclass
+class PositionShapingConfig(GRPOConfig):
+    """A~_t = A_t + sign(A_t) * gamma * sigmoid(d * m * (l_t - n)) inside a step window."""
+
+    name: str = _f("position_shaping", "registry key of the loss (loss=NAME)")
+    gamma: float = _f(0.1, "bonus scale gamma (003 method: 0.1; 003 analysis: 1.0)")
+    direction: float = _f(1.0, "d: +1 favours later tokens, -1 earlier ones")
+    pos_scale: float = _f(15.0, "m in r = m * (l - n) (003 §5)")
+    pos_shift: float = _f(0.5, "n in r = m * (l - n); 003 prints -0.5, which makes the bonus constant (READING)")
+    rel_pos_mode: str = _f("closed", "l_t: closed = t/(|o|-1) in [0, 1] (003) | spec = (t+1)/|o| in (0, 1]",
+                           choices=REL_POS_MODES)
+    start_step: int = _f(0, "first global_step with the bonus (003 used 200, the plateau stage)", range="[0, inf)")
+    stop_step: Optional[int] = _f(None, "first global_step without it again (003: start + 100); None = never",
+                                  range="[0, inf)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.stop_step is not None and self.stop_step <= self.start_step:
+            raise ValueError(f"{self.name}: stop_step={self.stop_step} <= start_step={self.start_step} (the bonus "
+                             "window would be empty)")
+
+
+# the built-in methods' configs, in the order of the issue (and of `stapoctl losses`), known
+# without importing the tensor code; `register_loss` adds any method registered at run time
+LOSS_CONFIGS: dict[str, type] = {
+    cls().name: cls
+    for cls in (GRPOConfig, DAPOConfig, STAPOConfig, STAPOProbOnlyConfig, STAPOHighEntropyConfig, Entropy20Config,
+                JustRLConfig, WAPOConfig, TRGRPOConfig, PPLShapingConfig, PositionShapingConfig)
+}
