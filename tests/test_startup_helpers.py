@@ -113,6 +113,11 @@ def test_rollout_env_turns_dynamo_off_only_for_an_eager_cpu_engine():
 
     assert rollout_env(EngineSpec(model_path="m"))["TORCHDYNAMO_DISABLE"] == "1"
     assert "TORCHDYNAMO_DISABLE" not in rollout_env(EngineSpec(model_path="m", enforce_eager=False))
+    # a GPU actor gets none of the CPU settings, whatever the driver's machine has
+    gpu = rollout_env(EngineSpec(model_path="m", num_threads=2), on_gpu=True)
+    assert not {"TORCHDYNAMO_DISABLE", "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS"} & set(gpu)
+    cpu = rollout_env(EngineSpec(model_path="m", num_threads=2))
+    assert cpu["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and cpu["OMP_NUM_THREADS"] == "2"
 
 
 def test_ray_shutdown_stops_the_monitor_first_and_leaves_nothing_running():

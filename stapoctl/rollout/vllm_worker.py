@@ -20,7 +20,7 @@ import time
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from stapoctl.launch.ray_runtime import actor_env, in_ray_actor, runtime_context
-from stapoctl.rollout.vllm_engine import EngineSpec, Sample, cuda_available
+from stapoctl.rollout.vllm_engine import EngineSpec, Sample
 from stapoctl.sync.worker_extension import EXTENSION_CLS
 
 
@@ -241,10 +241,14 @@ def _was_restarted() -> bool:
     return bool(ctx is not None and ctx.was_current_actor_reconstructed)
 
 
-def rollout_env(spec: EngineSpec) -> dict[str, str]:
-    """Per-actor environment: vLLM in-process on CPU (4 s start, tensors passed directly)."""
+def rollout_env(spec: EngineSpec, on_gpu: bool = False) -> dict[str, str]:
+    """Per-actor environment: vLLM in-process on CPU (4 s start, tensors passed directly).
+
+    `on_gpu`: the actor is given GPUs. That, not the driver's own torch.cuda, decides: the actor
+    may run on another node, and asking torch here cost the driver ~1 s of `import torch`
+    between `ray.init` and the actors' creation."""
     extra = {"VLLM_LOGGING_LEVEL": "WARNING"}
-    if not cuda_available():
+    if not on_gpu:
         extra["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if spec.enforce_eager:
             # Even in eager mode vLLM torch.compiles one helper (the sampled tokens' ranks, which
@@ -279,7 +283,7 @@ def make_rollout_worker(
     opts: dict[str, Any] = dict(
         num_cpus=num_cpus,
         num_gpus=num_gpus,
-        runtime_env={"env_vars": rollout_env(engine_spec)},
+        runtime_env={"env_vars": rollout_env(engine_spec, on_gpu=float(num_gpus or 0) > 0)},
         max_concurrency=1,
         max_restarts=int(max_restarts),
         max_task_retries=0,

@@ -345,12 +345,15 @@ def prepare_data(conf: DictConfig, tokenizer_path: str, console: Console) -> Tra
 
 
 def _driver_setup(conf: DictConfig, policy_path: str, console: Console, uri: str) -> TrainData:
-    """Tokenizer, prompts and validation sets, the MLflow import and its store opened (a new
-    sqlite store creates its tables here): everything the driver needs before its run starts."""
+    """Tokenizer, prompts and validation sets, the MLflow and torch imports and the store opened
+    (a new sqlite store creates its tables here): everything the driver needs before its run
+    starts, loaded while Ray and the actors start (nothing before `ray.init` imports torch)."""
     from stapoctl.launch.import_gc import paused_gc
 
     with paused_gc("mlflow"):
         import mlflow  # noqa: F401  (the driver's heaviest import)
+    with paused_gc("torch"):
+        import torch  # noqa: F401  (the step loop's; else its first use pays it before step 1)
     if uri.startswith("sqlite:"):  # a server is only asked when the run opens, under its fail-fast limits
         try:
             from mlflow import MlflowClient
