@@ -1,9 +1,11 @@
 """The learner step on a GPU: STAPO's loss overhead and the update's throughput (needs CUDA).
 
     stapoctl bench gpu_learner [--shape qwen3-0.6b] [--response-length 1024] [--repeats 5]
+                               [--losses stapo,grpo] [--set KEY=VALUE ...] [--profile]
 
 stapoctl's DeepSpeed `Learner` (NCCL, one GPU, bf16, the paper-scale learner defaults of
-`LearnerConfig`: micro-batch 8, logits chunk 1024, shared prompt prefix) on a random-init Qwen3
+`LearnerConfig`: micro-batch 8, logits chunk 1024, `shared_prefix` auto = off on a GPU; `--set`
+changes any of them) on a random-init Qwen3
 of the named shape (vocab 151,936). One fixed batch of 8 prompts x 8 responses (random tokens,
 prompt 128 tokens, response lengths spread over 25..100% of --response-length, ±1 rewards) goes
 through `train_step` (old-log-prob pass, one PPO mini-batch of 8 micro-batches, optimizer step)
