@@ -24,6 +24,7 @@ results go to benchmarks/results/gpu/ and the figures to docs/PERFORMANCE.md's G
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -186,23 +187,23 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     gpu = torch.cuda.get_device_name(0)
     peak = matmul_tflops()
-    tmp = Path(tempfile.mkdtemp(prefix="stapoctl-gpu-bench-"))
-    model_dir, params = build_model(a.shape, tmp / a.shape)
+    tmp = Path(tempfile.mkdtemp(prefix="stapoctl-gpu-bench-"))  # the random model: 1.2 GB at 0.6B
     batch, rewards = fixed_batch(a.prompts, a.n, a.prompt_length, response_len)
     learners = {}
-    for name in losses:
-        loss_cfg = dict(vars(L.LOSSES[name].config_cls()))
-        lrn = Learner(0, 1)
-        lrn.setup(model_dir, lcfg, loss_cfg, n_per_prompt=a.n, temperature=1.0, dtype="bfloat16", seed=0,
-                  max_response_length=response_len, master_port=free_port())
-        adv = L.compute_advantages(name, rewards, batch.group_ids, **loss_cfg)
-        learners[name] = (lrn, batch.with_(rewards=rewards, advantages=adv))
-
     step_s = {k: [] for k in losses}
     loss_s = {k: [] for k in losses}
     phases = {k: [] for k in losses}
     metrics = {}
     try:
+        model_dir, params = build_model(a.shape, tmp / a.shape)
+        for name in losses:
+            loss_cfg = dict(vars(L.LOSSES[name].config_cls()))
+            lrn = Learner(0, 1)
+            learners[name] = (lrn, None)  # shut down below even if its setup fails
+            lrn.setup(model_dir, lcfg, loss_cfg, n_per_prompt=a.n, temperature=1.0, dtype="bfloat16", seed=0,
+                      max_response_length=response_len, master_port=free_port())
+            adv = L.compute_advantages(name, rewards, batch.group_ids, **loss_cfg)
+            learners[name] = (lrn, batch.with_(rewards=rewards, advantages=adv))
         with H.LossClock() as clock:
             for r in range(repeats + 1):  # round 0 is the warm-up
                 for name in (losses if r % 2 == 0 else losses[::-1]):
@@ -223,6 +224,7 @@ def main(argv=None) -> int:
     finally:
         for lrn, _ in learners.values():
             lrn.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
 
     resp_tokens = int(batch.response_mask.sum())
     # the work: a plain forward over every row's prompt and response, padding excluded (the same

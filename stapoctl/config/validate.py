@@ -184,7 +184,7 @@ def check_machine(conf: DictConfig, *, learner: bool = True) -> None:
     asked = gpus_asked(conf, learner=learner)
     # counting GPUs imports torch (~1 s, then off `stapoctl train`'s path to Ray): without a GPU
     # asked for, the count changes no check
-    gpus = _local_gpus() if asked else 0
+    gpus = local_gpus() if asked else 0
     if asked and gpus == 0:
         names = " ".join(f"{k}=0" for k, _ in asked)
         raise UserError(
@@ -207,7 +207,7 @@ def check_machine(conf: DictConfig, *, learner: bool = True) -> None:
             )
 
 
-def _local_gpus() -> int:
+def local_gpus() -> int:
     try:
         import torch
 

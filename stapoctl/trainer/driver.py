@@ -559,14 +559,10 @@ def _quiet_engine_logs(conf: DictConfig) -> None:
     only a GPU run imports torch to look (torch then loads on a thread while Ray starts)."""
     import os
 
-    from stapoctl.config.validate import gpus_asked
+    from stapoctl.config.validate import local_gpus, gpus_asked
 
-    if gpus_asked(conf):
-        import torch
-
-        if torch.cuda.is_available():
-            return
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not (gpus_asked(conf) and local_gpus() > 0):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 @dataclass
