@@ -63,7 +63,7 @@ def build_model(shape: str, out: Path) -> tuple[str, int]:
 def fixed_batch(prompts: int, n: int, prompt_len: int, response_len: int, seed: int = 0):
     import torch
 
-    from stapoctl.trainer.batch import RolloutBatch
+    from stapoctl.rollout.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     ps = [torch.randint(10, VOCAB, (prompt_len,), generator=g).tolist() for _ in range(prompts)]

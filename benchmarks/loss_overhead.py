@@ -36,7 +36,7 @@ def fixed_batch(conf, model_dir: str, seed: int = 0):
 
     from stapoctl.losses import compute_advantages
     from stapoctl.reward import dapo_reward
-    from stapoctl.trainer.batch import RolloutBatch
+    from stapoctl.rollout.batch import RolloutBatch
 
     rows = _peers.train_rows(conf, model_dir)
     idx = _peers.step_batches(conf, len(rows), 1)[0]

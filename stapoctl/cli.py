@@ -123,8 +123,10 @@ def data_prep(
     """Normalize a dataset to jsonl rows {id, prompt, answer, ...} with the STAPO instruction."""
     conf = _compose(overrides)
     from stapoctl.data.prep import prep_command
+    from stapoctl.models.resolve import chat_tokenizer_path
 
-    prep_command(conf, name=name, source=source, out=out, strict=strict, template=template, console=console)
+    prep_command(conf, name=name, source=source, out=out, strict=strict, template=template, console=console,
+                 tokenizer_path=lambda: chat_tokenizer_path(conf))
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -136,7 +138,7 @@ def submit(
     """Send `train` to a Ray cluster (cluster=ray cluster.address=http://HOST:8265) or to SLURM
     (cluster=slurm cluster.preset=NAME) instead of running it here."""
     conf = _compose(overrides)
-    from stapoctl.launch.submit import submit_run
+    from stapoctl.jobs.submit import submit_run
 
     raise typer.Exit(submit_run(conf, list(overrides or []), dry_run=dry_run, follow=follow, console=console))
 
@@ -147,7 +149,7 @@ ADDRESS_HELP = "Ray job server (http://HOST:8265) for a Ray job not submitted fr
 @jobs_app.command("list")
 def jobs_list(limit: int = typer.Option(20, "--limit")) -> None:
     """Jobs submitted from here: backend, id, run name, state, where the logs are."""
-    from stapoctl.launch.jobs import list_jobs
+    from stapoctl.jobs.control import list_jobs
 
     list_jobs(console, limit=limit)
 
@@ -158,7 +160,7 @@ def jobs_status(
     address: Optional[str] = typer.Option(None, "--address", help=ADDRESS_HELP),
 ) -> None:
     """A job's state (array: each task's), with its MLflow run and log file."""
-    from stapoctl.launch.jobs import show_status
+    from stapoctl.jobs.control import show_status
 
     show_status(job_id, console, address=address)
 
@@ -170,7 +172,7 @@ def jobs_logs(
     address: Optional[str] = typer.Option(None, "--address", help=ADDRESS_HELP),
 ) -> None:
     """A job's output (driver log for Ray, submitit's log file for SLURM)."""
-    from stapoctl.launch.jobs import show_logs
+    from stapoctl.jobs.control import show_logs
 
     raise typer.Exit(show_logs(job_id, console, follow=follow, address=address))
 
@@ -181,7 +183,7 @@ def jobs_stop(
     address: Optional[str] = typer.Option(None, "--address", help=ADDRESS_HELP),
 ) -> None:
     """Stop a job (Ray: stop_job; SLURM: scancel)."""
-    from stapoctl.launch.jobs import stop_job
+    from stapoctl.jobs.control import stop_job
 
     stop_job(job_id, console, address=address)
 
@@ -208,7 +210,7 @@ def compare(
 ) -> None:
     """Table 2 of the paper (rows: methods or swept values; mean ± std over seeds) and figures:
     accuracy vs value, training curves with seed bands, per-category gradient norms."""
-    from stapoctl.tracking.compare import compare as run_compare
+    from stapoctl.analysis.compare import compare as run_compare
 
     run_compare(uri, ids, console, metrics=metric or (), out=out)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from stapoctl.eval.benches import PAPER_BENCHES
+from stapoctl.data.benches import PAPER_BENCHES
 
 from conftest import SHARED_DATA as SHARED, TINY_OVERRIDES as MODEL_OVERRIDES
 

@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from stapoctl.errors import UserError
-from stapoctl.eval.benches import PAPER_BENCHES, expand_benches, samples_per_problem, select_decodings
+from stapoctl.data.benches import PAPER_BENCHES, expand_benches, samples_per_problem, select_decodings
 from stapoctl.eval.report import print_report
 from stapoctl.eval.runner import prepare_problems
 from stapoctl.eval.store import SampleStore, model_slug, settings_key
@@ -116,7 +116,7 @@ def test_report_is_table2_shaped():
 
 
 def test_too_long_prompts_become_skipped_incorrect_records_without_an_engine():
-    from stapoctl.eval.benches import DECODINGS
+    from stapoctl.data.benches import DECODINGS
     from stapoctl.eval.metrics import summarize
     from stapoctl.eval.runner import Problem, judge_problems
 

@@ -19,7 +19,7 @@ from stapoctl.errors import RunFailed, RunStopped, UserError
 
 # -- checkpoints ------------------------------------------------------------------------------
 def _save(run_dir: Path, step: int, payload: bytes = b"weights") -> Path:
-    from stapoctl.trainer import checkpoint
+    from stapoctl import checkpoint
 
     def write(tmp: Path) -> None:
         (tmp / "model").mkdir()
@@ -41,7 +41,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path):
 
 
 def test_resume_skips_damaged_checkpoints_and_names_them(tmp_path):
-    from stapoctl.trainer import checkpoint
+    from stapoctl import checkpoint
 
     _save(tmp_path, 2)
     s4 = _save(tmp_path, 4)
@@ -64,7 +64,7 @@ def test_resume_skips_damaged_checkpoints_and_names_them(tmp_path):
 
 
 def test_a_write_cut_short_is_never_picked_and_is_cleaned_at_resume(tmp_path):
-    from stapoctl.trainer import checkpoint
+    from stapoctl import checkpoint
 
     _save(tmp_path, 2)
     partial = tmp_path / "checkpoints" / ".step_000004.abcd"
@@ -80,7 +80,7 @@ def test_a_write_cut_short_is_never_picked_and_is_cleaned_at_resume(tmp_path):
 
 
 def test_saving_a_step_again_replaces_it_whole(tmp_path):
-    from stapoctl.trainer import checkpoint
+    from stapoctl import checkpoint
 
     _save(tmp_path, 2, b"old")
     again = _save(tmp_path, 2, b"new")
@@ -176,7 +176,7 @@ def test_a_refused_record_does_not_block_the_rest(store):
 # -- pre-flight -----------------------------------------------------------------------------
 def test_preflight_refuses_before_any_compute(tmp_path):
     from stapoctl.config.compose import compose_config
-    from stapoctl.trainer.preflight import run_preflight
+    from stapoctl.preflight.run_dir import run_preflight
 
     blocker = tmp_path / "a_file"
     blocker.write_text("x")

@@ -35,7 +35,7 @@ def tiny_dir(tmp_path_factory):
 
 def fixed_batch(pad_id: int):
     """4 prompts × 4 responses of different lengths, with ±1 rewards and GRPO advantages."""
-    from stapoctl.trainer.batch import RolloutBatch
+    from stapoctl.rollout.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (int(k),), generator=g).tolist() for k in (5, 7, 6, 9)]

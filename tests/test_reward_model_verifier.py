@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from stapoctl.reward.model_verifier import ModelVerifier, parse_verdict
+from stapoctl.rollout.model_verifier import ModelVerifier, parse_verdict
 from stapoctl.reward.pool import Verdict
 
 
@@ -65,20 +65,20 @@ def test_all_mode_can_also_reject():
 
 @pytest.mark.engine
 def test_verifier_engine_plumbing_with_random_tiny_model(tmp_path):
-    """Real loading through RewardPool(reward.model_verifier=<dir>) and a real vLLM actor."""
+    """Real loading through reward_pool(reward.model_verifier=<dir>) and a real vLLM actor."""
     import ray
 
     from stapoctl.config.schema import RewardConfig, TinyModelConfig
     from stapoctl.launch.ray_runtime import ensure_ray, shutdown_ray
     from stapoctl.models.tiny import build_random
-    from stapoctl.reward.pool import RewardPool
+    from stapoctl.rollout.model_verifier import reward_pool
 
     model_dir = build_random(tmp_path / "judge", TinyModelConfig(), seed=0)
     started = not ray.is_initialized()
     ensure_ray(None)
     cfg = RewardConfig(num_workers=1, model_verifier=str(model_dir), model_verifier_mode="all",
                        model_verifier_max_model_len=512, model_verifier_max_tokens=4)
-    pool = RewardPool(cfg)
+    pool = reward_pool(cfg)
     try:
         mv = pool.model_verifier
         long_response = "step " * 2000 + "\\boxed{5}"

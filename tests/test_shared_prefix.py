@@ -24,7 +24,7 @@ def model(tmp_path_factory):
 
 
 def make_batch(prompt_lens=(6, 9), n=4, distinct=False):
-    from stapoctl.trainer.batch import RolloutBatch
+    from stapoctl.rollout.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     prompts, resps = [], []

@@ -26,7 +26,7 @@ def submit(*args: str, home, dry_run: bool = True, follow: bool = False) -> str:
     from rich.console import Console
 
     from stapoctl.config.compose import compose_config
-    from stapoctl.launch.submit import submit_run
+    from stapoctl.jobs.submit import submit_run
 
     mp = pytest.MonkeyPatch()
     mp.setenv("STAPOCTL_HOME", str(home))
@@ -174,7 +174,7 @@ def test_jobs_unknown_id_names_it_and_the_way_out(tmp_path, monkeypatch):
     from rich.console import Console
 
     from stapoctl.errors import UserError
-    from stapoctl.launch import jobs
+    from stapoctl.jobs import control as jobs
 
     monkeypatch.setenv("STAPOCTL_HOME", str(tmp_path))
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
@@ -185,14 +185,14 @@ def test_jobs_unknown_id_names_it_and_the_way_out(tmp_path, monkeypatch):
     assert "no jobs submitted from here yet" in console.export_text()
 
 
-SUBMITTERS = ["stapoctl.launch.submit", "stapoctl.launch.slurm", "stapoctl.launch.ray_jobs", "stapoctl.launch.jobs"]
+SUBMITTERS = ["stapoctl.jobs.submit", "stapoctl.jobs.slurm", "stapoctl.jobs.ray_jobs", "stapoctl.jobs.control"]
 TRAINER_SIDE = ["stapoctl.trainer.driver", "stapoctl.trainer.engines", "stapoctl.launch.ray_runtime"]
 
 
 @pytest.mark.parametrize("imported, forbidden", [(SUBMITTERS, ["stapoctl.trainer.driver"]),
                                                  (TRAINER_SIDE, [*SUBMITTERS, "submitit"])])
 def test_submitters_sit_above_the_trainer(imported, forbidden):
-    """launch/ holds both the Ray runtime the trainer uses and the submitters that call the
+    """launch/ holds the Ray runtime the trainer uses, jobs/ the submitters that call the
     trainer: importing one side must not pull in the other (no import cycle, and the trainer
     cannot tell which launcher started it)."""
     code = (f"import sys, importlib; [importlib.import_module(m) for m in {imported!r}]; "

@@ -148,7 +148,7 @@ def array(shared_home, tmp_path_factory):
     import mlflow
     from rich.console import Console
 
-    from stapoctl.launch import records
+    from stapoctl.jobs import records
     from stapoctl.sweep.definition import parse_command
     from stapoctl.sweep.runner import run_sweep
 

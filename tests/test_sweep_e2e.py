@@ -181,7 +181,7 @@ def test_the_interrupted_trial_continues_its_run_from_the_stop_checkpoint(sweep)
 def test_compare_writes_the_table_and_figure(sweep, tmp_path):
     from rich.console import Console
 
-    from stapoctl.tracking.compare import compare as run_compare
+    from stapoctl.analysis.compare import compare as run_compare
 
     console = Console(width=160, record=True)
     run_compare(sweep["uri"], [sweep["sweep_id"]], console, out=str(tmp_path / "report"))

@@ -96,7 +96,7 @@ def test_metrics_are_logged_every_step(run):
 def test_checkpoints_are_complete_and_loadable(run):
     from transformers import AutoModelForCausalLM
 
-    from stapoctl.trainer.checkpoint import latest_step_dir, resolve_resume
+    from stapoctl.checkpoint import latest_step_dir, resolve_resume
 
     import pathlib
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stapoctl.errors import UserError
-from stapoctl.trainer.batch import RolloutBatch
+from stapoctl.rollout.batch import RolloutBatch
 
 
 def small_batch(pad=0, offset=0):
@@ -73,7 +73,7 @@ def test_sampler_is_deterministic_and_resumes_exactly():
 
 
 def test_checkpoint_save_is_atomic_and_latest_points_at_the_newest(tmp_path):
-    from stapoctl.trainer import checkpoint
+    from stapoctl import checkpoint
 
     def payload(d):
         (d / "model").mkdir()
@@ -104,7 +104,7 @@ def test_checkpoint_save_is_atomic_and_latest_points_at_the_newest(tmp_path):
 def test_rng_state_round_trips():
     import random
 
-    from stapoctl.trainer import checkpoint
+    from stapoctl import checkpoint
 
     state = json.loads(json.dumps(checkpoint.rng_state()))
     expected = (random.random(), torch.rand(3).tolist())
@@ -260,7 +260,7 @@ def test_token_diagnostics_run_in_the_background_and_a_failure_only_warns(monkey
 
 
 def test_a_user_error_raised_in_an_actor_constructor_is_found_in_rays_text():
-    from stapoctl.trainer.engines import user_error_in
+    from stapoctl.launch.actor_errors import user_error_in
 
     text = ("The actor died because of an error raised in its creation task, ray::RolloutWorker.__init__() (pid=1)\n"
             "  File \"x.py\", line 3, in make_llm\n    raise UserError(\n"

@@ -50,7 +50,7 @@ def engines(tmp_path_factory):
 
 
 def fixed_sequences(pad: int):
-    from stapoctl.trainer.batch import RolloutBatch
+    from stapoctl.rollout.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (k,), generator=g).tolist() for k in (6, 11, 8)]

@@ -87,19 +87,6 @@ def _closest(word: str, candidates: Iterable[str]) -> str | None:
     return found[0] if found else None
 
 
-GROUP_SCHEMAS = {
-    "model": S.ModelConfig,
-    "data": S.DataConfig,
-    "rollout": S.RolloutConfig,
-    "learner": S.LearnerConfig,
-    "reward": S.RewardConfig,
-    "eval": S.EvalConfig,
-    "tracking": S.TrackingConfig,
-    "cluster": S.ClusterConfig,
-    "trainer": S.TrainerConfig,
-}
-
-
 def _valid_keys(node: Any, prefix: str = "") -> list[str]:
     """Dotted keys a user may override (from the dataclass schema, so it works before compose)."""
     out: list[str] = []
@@ -109,8 +96,8 @@ def _valid_keys(node: Any, prefix: str = "") -> list[str]:
         key = f"{prefix}{f.name}"
         out.append(key)
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-        if not prefix and f.name in GROUP_SCHEMAS:
-            default = GROUP_SCHEMAS[f.name]()
+        if not prefix and f.name in S.GROUP_SCHEMAS:
+            default = S.GROUP_SCHEMAS[f.name]()
         if is_dataclass(default):
             out.extend(_valid_keys(default, key + "."))
     return out

@@ -306,3 +306,17 @@ class StapoctlConfig:
     tracking: TrackingConfig = MISSING
     cluster: ClusterConfig = MISSING
     trainer: TrainerConfig = MISSING
+
+
+# the config groups a user overrides as `group.key=value`, and the schema of each
+GROUP_SCHEMAS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "learner": LearnerConfig,
+    "reward": RewardConfig,
+    "eval": EvalConfig,
+    "tracking": TrackingConfig,
+    "cluster": ClusterConfig,
+    "trainer": TrainerConfig,
+}

@@ -14,7 +14,7 @@ import logging
 
 from stapoctl.data import sources as S
 from stapoctl.data import toy
-from stapoctl.data.prep import apply_template, find_origin, normalized_rows, prep_progress
+from stapoctl.data.origin import apply_template, find_origin, normalized_rows, prep_progress
 from stapoctl.data.templates import tokenizer_for_template
 
 log = logging.getLogger("stapoctl.data")

@@ -12,7 +12,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from stapoctl.eval.benches import EVAL_BENCHES, PAPER_BENCHES, TITLES
+from stapoctl.data.benches import EVAL_BENCHES, PAPER_BENCHES, TITLES
 
 
 def _pct(x: float, digits: int = 2) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from stapoctl.eval.benches import PAPER_BENCHES, Decoding, expand_benches, samples_per_problem, select_decodings
+from stapoctl.data.benches import PAPER_BENCHES, Decoding, expand_benches, samples_per_problem, select_decodings
 from stapoctl.eval.metrics import mlflow_key, summarize
 from stapoctl.rollout.vllm_engine import prompt_seed
 
@@ -201,7 +201,7 @@ def start_workers(conf: Any, model_path: str, max_model_len: int) -> list[Any]:
     try:
         ray.get([w.info.remote() for w in workers])  # fail here, not mid-eval, if the engine cannot load
     except Exception as exc:
-        from stapoctl.trainer.engines import user_error_in
+        from stapoctl.launch.actor_errors import user_error_in
 
         stop_workers(workers)
         found = user_error_in(exc)  # e.g. rollout.kv_cache_gb too small: one line, not Ray's traceback
@@ -247,7 +247,7 @@ def run_eval(conf: Any, benches: Sequence[str], model: str | None = None, k: int
     if max_response < 1:
         raise UserError(f"eval.max_response_length={max_response}: must be >= 1 (e.g. eval.max_response_length=20480)")
     model_spec = model if model is not None else str(conf.model.path or "")
-    from stapoctl.config.validate import validate_eval
+    from stapoctl.preflight.commands import validate_eval
 
     validate_eval(conf, model_spec, bench_names, k=k)  # before the output dir, the tiny model build or Ray
     t_start = time.perf_counter()
@@ -303,7 +303,7 @@ def _generate(conf: Any, jobs: list[dict], model_path: str, max_response: int, c
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from stapoctl.launch.ray_runtime import ensure_ray, shutdown_ray
-    from stapoctl.reward.pool import RewardPool
+    from stapoctl.rollout.model_verifier import reward_pool
 
     t0 = time.perf_counter()
     started_ray = not ray.is_initialized()
@@ -314,7 +314,7 @@ def _generate(conf: Any, jobs: list[dict], model_path: str, max_response: int, c
         max_model_len = max(job["max_model_len"] for job in jobs if job["todo"])
         with console.status(f"starting {int(conf.rollout.num_workers)} vLLM worker(s) for {model_path}"):
             workers = start_workers(conf, model_path, max_model_len)
-            scorer = RewardPool(conf.reward)
+            scorer = reward_pool(conf.reward)
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
         with progress:

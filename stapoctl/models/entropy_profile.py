@@ -4,7 +4,7 @@ STAPO's S2T mask (000 Eq. 1) would silence at each swept tau_p.
 Why: a tau_p or tau_h sweep only means something if the base model has a spread of token
 entropies (a confident majority and a tail of forks, as LLM chains of thought have) and its
 sampled low-entropy tokens fall on both sides of the swept thresholds. The tiny model's
-build records this profile in `base_eval.json`; `python -m stapoctl.models.entropy_profile
+build records this profile in `base_eval.json`; `python -m stapoctl.testbed.entropy_profile
 MODEL_DIR` measures any HF model dir (a checkpoint, say) on the toy task.
 
 h* here is the quantile over all sampled response tokens, not per mini-batch as in training
@@ -14,7 +14,6 @@ each problem's group of samples, rewards from the DAPO rule verifier.
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 from typing import Any, Sequence
 
@@ -122,37 +121,3 @@ def measure(model, tokenizer, prompts: Sequence[str], responses: list[list[list[
         return tokenizer.decode([flat[i][t]])
 
     return profile(prob, ent, top, mask, adv, token_text=text, **kwargs)
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Measure a model dir's profile on the held-out toy problems and print it as JSON."""
-    import json
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from stapoctl.config.compose import compose_config
-    from stapoctl.data import toy
-    from stapoctl.data.templates import render_prompt
-    from stapoctl.models.warm_start import sample_ids
-
-    ap = argparse.ArgumentParser(prog="python -m stapoctl.models.entropy_profile", description=main.__doc__)
-    ap.add_argument("model_dir")
-    ap.add_argument("--samples", type=int, default=4, help="T=1.0 samples per held-out problem")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides selecting the toy task (data.toy.*)")
-    args = ap.parse_args(argv)
-    conf = compose_config(list(args.overrides))
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, torch_dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(args.model_dir)
-    probs = toy.problems(conf.data.toy, "heldout")
-    prompts = [render_prompt(p.problem, template=conf.data.template, instruction=conf.data.instruction,
-                             tokenizer=tok) for p in probs]
-    ids = sample_ids(model, tok, prompts, n=args.samples, temperature=1.0,
-                     max_new_tokens=int(conf.rollout.max_response_length), seed=args.seed)
-    report = measure(model, tok, prompts, ids, [str(p.answer) for p in probs])
-    print(json.dumps(report, indent=2))
-    return report
-
-
-if __name__ == "__main__":
-    main()

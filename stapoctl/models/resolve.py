@@ -70,3 +70,12 @@ def resolve_model(spec: str, cfg, console=None) -> str:
     if spec.startswith(("/", ".", "~")) or not _HUB_ID.match(spec):
         raise UserError(f"model '{spec}': no such directory, and not an HF hub id like Qwen/Qwen3-8B-Base")
     return spec
+
+
+def chat_tokenizer_path(conf) -> str:
+    """The tokenizer whose chat template frames the prompts: model.path's, or the tiny model's."""
+    if conf.model.path:
+        return resolve_model(conf.model.path, conf)
+    from stapoctl.models.tiny import ensure_tokenizer
+
+    return str(ensure_tokenizer(conf.model, conf.data))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from stapoctl.reward.equivalence import DEFAULT_TIMEOUT_S, is_equivalent
+from stapoctl.reward.checker import is_equivalent
+from stapoctl.reward.equivalence import DEFAULT_TIMEOUT_S
 from stapoctl.reward.extract import extract_answer
 
 

@@ -1,9 +1,8 @@
 """Answer equivalence: string normalization first, then math-verify's symbolic comparison.
 
-`is_equivalent` is safe to call anywhere (main thread, other threads, Ray actors): whenever the
-symbolic check is needed it runs in a verifier subprocess with a hard deadline, because
-math-verify's own timeout uses SIGALRM and silently does nothing off the main thread.
-`equivalent_unbounded` is the raw check that those subprocesses run.
+`quick_verdict` decides what strings can; `equivalent_unbounded` is the raw symbolic check that
+the verifier subprocesses of `reward.checker` run (its `is_equivalent` adds the hard deadline,
+because math-verify's own timeout uses SIGALRM and silently does nothing off the main thread).
 """
 
 from __future__ import annotations
@@ -128,20 +127,3 @@ def equivalent_unbounded(predicted: str | None, reference: str) -> bool:
         return bool(verify(gold, target, timeout_seconds=None))
     except Exception:  # a malformed expression sympy cannot compare is simply not equal
         return False
-
-
-def is_equivalent(predicted: str | None, reference: str, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> bool:
-    """Whether a predicted final answer matches the reference (False on timeout).
-
-    String-decidable cases return at once; the rest go to a shared verifier subprocess with a
-    hard `timeout_s` deadline (timeout_s=None: in-process, no limit).
-    """
-    quick = quick_verdict(predicted, reference)
-    if quick is not None:
-        return quick
-    if timeout_s is None:
-        return equivalent_unbounded(predicted, reference)
-    from stapoctl.reward.pool import shared_checker
-
-    verdict, _timed_out = shared_checker().check(predicted or "", reference, timeout_s)
-    return verdict

@@ -109,7 +109,7 @@ class RolloutWorker:
         prompt_index: Optional[Sequence[int]] = None,
     ):
         """Sample and pack into a `RolloutBatch` here, so only tensors and texts travel back."""
-        from stapoctl.trainer.batch import RolloutBatch
+        from stapoctl.rollout.batch import RolloutBatch
 
         t0 = time.perf_counter()
         per_prompt = self.generate(

@@ -86,7 +86,7 @@ def _submit_trials(definition: SweepDefinition, sweep_id: str, trials: list[Tria
                    uri: Optional[str], console: Console) -> int:
     """The unfinished trials as one SLURM job array or one Ray job each, followed to the end;
     the parent's status and the closing table then come from the children, as for local trials."""
-    from stapoctl.launch.submit import submit_trials, wait
+    from stapoctl.jobs.submit import submit_trials, wait
 
     def shared(item: str) -> bool:
         key = override_key(item)
@@ -165,7 +165,7 @@ def _take_over(parent, uri: Optional[str], force: bool, console: Console) -> Non
 
 def resume_point(record: store.TrialRecord) -> Optional[str]:
     """The checkpoint an unfinished trial continues from (None: it starts a new child run)."""
-    from stapoctl.trainer.checkpoint import latest_step_dir, read_trainer_state
+    from stapoctl.checkpoint import latest_step_dir, read_trainer_state
 
     run = record.run
     if run is None or record.finished or not run.data.tags.get("stapoctl.run_dir"):

@@ -29,7 +29,7 @@ TRAIN_DATA = {"toy": "toy-train"}  # data.name → the registry's training split
 # -- set-up ---------------------------------------------------------------------------------
 def check_config(conf: DictConfig) -> None:
     """Everything that would otherwise fail minutes in, inside an actor (see `config.validate`)."""
-    from stapoctl.config.validate import validate_train
+    from stapoctl.preflight.commands import validate_train
 
     validate_train(conf)
 
@@ -158,7 +158,7 @@ class StepRunner:
     def collect(self, pending: PendingRollout):
         """The batch of a launched rollout; `timing_s/gen` is the workers' own generation time,
         `timing_s/gen_wait` how long the driver waited for it (≈ 0 when it overlapped an update)."""
-        from stapoctl.trainer.batch import RolloutBatch
+        from stapoctl.rollout.batch import RolloutBatch
 
         t0 = time.perf_counter()
         parts = self.engines.gather_rollouts(pending.refs, pending.submit, pending.jobs)
@@ -410,9 +410,9 @@ def train(conf: DictConfig, console: Optional[Console] = None, session: Any = No
 def _train(conf: DictConfig, console: Console, session: Any, stop, own: bool) -> dict:
     from stapoctl.models.tiny import base_eval
     from stapoctl.tracking import mlflow_run
-    from stapoctl.trainer import checkpoint
+    from stapoctl import checkpoint
     from stapoctl.trainer.engines import learner_shared_prefix, old_logprob_source
-    from stapoctl.trainer.preflight import run_preflight
+    from stapoctl.preflight.run_dir import run_preflight
     from stapoctl.trainer.run_status import tracked_run
     from stapoctl.trainer.sampler import PromptSampler
 
@@ -543,8 +543,8 @@ def learner_faults(engines, run_id: str, run_dir: Path):
         if rank is None:
             raise
         from stapoctl.errors import RunFailed
-        from stapoctl.trainer.checkpoint import latest_step_dir
-        from stapoctl.trainer.engines import describe_actor_death
+        from stapoctl.checkpoint import latest_step_dir
+        from stapoctl.launch.actor_errors import describe_actor_death
 
         last = latest_step_dir(run_dir)
         where = f"from {last.name}" if last else "from the start (no checkpoint yet)"
@@ -559,7 +559,7 @@ def _quiet_engine_logs(conf: DictConfig) -> None:
     only a GPU run imports torch to look (torch then loads on a thread while Ray starts)."""
     import os
 
-    from stapoctl.config.validate import local_gpus, gpus_asked
+    from stapoctl.preflight.machine import gpus_asked, local_gpus
 
     if not (gpus_asked(conf) and local_gpus() > 0):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -669,7 +669,7 @@ class Loop:
 
     def save(self, step: int, sampler_state: dict) -> Path:
         from stapoctl.errors import RunFailed
-        from stapoctl.trainer.checkpoint import latest_step_dir
+        from stapoctl.checkpoint import latest_step_dir
 
         try:
             return _save(self.runner.engines, self.run_dir, step, sampler_state, self.run_id, self.base_model,
@@ -734,7 +734,7 @@ def _set_tags(tags: dict) -> None:
 
 def _validate(conf, engines, scorer, val_sets, step: int) -> dict:
     """Held-out problems through the rollout actors (the weights just synced), eval's metrics."""
-    from stapoctl.eval.benches import select_decodings
+    from stapoctl.data.benches import select_decodings
     from stapoctl.eval.runner import validation_metrics
 
     t0 = time.perf_counter()
@@ -753,7 +753,7 @@ def validation_sets(conf: DictConfig, tokenizer, tokenizer_path: str, model_len:
     """bench → (problems, k) for periodic validation; empty when eval.every_n_steps is 0."""
     if int(conf.eval.every_n_steps or 0) <= 0:
         return {}
-    from stapoctl.eval.benches import expand_benches, samples_per_problem
+    from stapoctl.data.benches import expand_benches, samples_per_problem
     from stapoctl.eval.runner import prepare_problems
 
     out = {}
@@ -785,7 +785,7 @@ def _save(engines, run_dir: Path, step: int, sampler_state: dict, run_id: str, b
           conf: DictConfig) -> Path:
     import ray
 
-    from stapoctl.trainer import checkpoint
+    from stapoctl import checkpoint
 
     def payload(tmp: Path) -> None:
         ray.get([h.save.remote(str(tmp), tokenizer_dir) for h in engines.learners])

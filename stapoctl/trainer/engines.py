@@ -8,13 +8,12 @@ restart, give the new process the learner's current weights (a restarted vLLM ho
 it was built from) and re-send what was lost. Rollouts are pure functions of (weights, prompts,
 per-prompt seeds), so a re-sent rollout returns what the lost one would have. A learner rank
 holds optimizer state that only a checkpoint can restore: its death ends the run
-(`describe_actor_death` names it for the one-line error).
+(`launch.actor_errors.describe_actor_death` names it for the one-line error).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from stapoctl.errors import UserError
+from stapoctl.launch.actor_errors import describe_actor_death, user_error_in
 
 
 def max_model_len(conf: DictConfig, model_path: str) -> int:
@@ -280,25 +280,6 @@ def is_rollout_loss(exc: BaseException) -> bool:
     from stapoctl.rollout.vllm_worker import StaleWeightsError
 
     return isinstance(exc, (ray.exceptions.RayActorError, StaleWeightsError))
-
-
-def describe_actor_death(exc: BaseException) -> str:
-    """One phrase from Ray's multi-line actor error: which process, and why it went away."""
-    text = " ".join(str(exc).split())
-    pid = re.search(r"pid: (\d+)", text)
-    why = re.search(r"The actor is dead because ([^.]*)", text)
-    exit_type = re.search(r"Worker exit type: (\S+)", text)
-    parts = [f"pid {pid.group(1)}" if pid else None, why.group(1) if why else None,
-             exit_type.group(1) if exit_type else None]
-    parts = [p for p in parts if p]
-    return ", ".join(parts) if parts else text[:160]
-
-
-def user_error_in(exc: BaseException) -> Optional[UserError]:
-    """The UserError an actor's constructor raised: Ray reports a failed creation task as an
-    ActorDiedError carrying only the remote traceback's text."""
-    found = re.search(r"stapoctl\.errors\.UserError: ([^\n]+)", str(exc))
-    return UserError(found.group(1).strip()) if found else None
 
 
 def start_engines(conf: DictConfig, policy_path: str, console=None) -> "Engines":

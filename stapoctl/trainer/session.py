@@ -123,14 +123,14 @@ class EngineSession:
         return self.engines, self.scorer
 
     def _ensure_scorer(self, conf: DictConfig) -> None:
-        from stapoctl.reward.pool import RewardPool
+        from stapoctl.rollout.model_verifier import reward_pool
 
         reward_key = repr(OmegaConf.to_container(conf.reward, resolve=True))
         if self.scorer is not None and reward_key != self.scorer_key:
             self.scorer.close()
             self.scorer = None
         if self.scorer is None:
-            self.scorer, self.scorer_key = RewardPool(conf.reward), reward_key
+            self.scorer, self.scorer_key = reward_pool(conf.reward), reward_key
 
     def _cancel_launch(self) -> None:
         launch, self._launch, self._launch_key, self._launch_error = self._launch, None, None, None

@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from stapoctl.analysis.cells import accuracy_cells, column_header
 from stapoctl.tracking import keys
 
 CURVES = (keys.ACCURACY, "val", keys.ENTROPY, keys.SPURIOUS_RATIO, keys.RESPONSE_LENGTH, keys.CLIPFRAC)
@@ -46,7 +47,7 @@ def _colors(n: int) -> list:
 
 
 def _title(metric: str) -> str:
-    from stapoctl.eval.benches import TITLES as BENCH
+    from stapoctl.data.benches import TITLES as BENCH
 
     parsed = keys.parse_accuracy_metric(metric)
     if parsed:
@@ -126,17 +127,13 @@ def curves(hist: _Histories, comp: Any, metrics: Sequence[str], path: Path, titl
 
 
 def _accuracy_columns(comp: Any) -> tuple[list[str], dict[str, dict[str, Any]]]:
-    from stapoctl.tracking.compare import accuracy_cells
-
     cells = accuracy_cells(comp)
     cols = list(next(iter(cells.values()), {}).keys())
     return cols, cells
 
 
 def _column_label(col: str) -> str:
-    from stapoctl.tracking.compare import _header
-
-    return _header(col)
+    return column_header(col)
 
 
 def accuracy_vs_value(comp: Any, path: Path) -> Optional[Path]:

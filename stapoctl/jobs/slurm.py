@@ -31,7 +31,7 @@ from rich.console import Console
 
 from stapoctl import paths
 from stapoctl.errors import UserError
-from stapoctl.launch import presets, records, sbatch
+from stapoctl.jobs import presets, records, sbatch
 
 # scontrol's job states after which nothing more happens (REQUEUED/COMPLETING/PENDING go on)
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
@@ -48,7 +48,7 @@ class TrainJob(submitit.helpers.Checkpointable):
 
     def __call__(self, extra: Sequence[str] = ()) -> dict:
         from stapoctl.config.compose import compose_config
-        from stapoctl.trainer import checkpoint
+        from stapoctl import checkpoint
         from stapoctl.trainer.driver import train
 
         env = submitit.JobEnvironment()

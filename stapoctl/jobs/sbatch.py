@@ -13,7 +13,7 @@ from __future__ import annotations
 import shlex
 from typing import Mapping
 
-RAY_ADDRESS_ENV = "STAPOCTL_RAY_ADDRESS"  # read by the job body (launch/slurm.py) → cluster.address
+RAY_ADDRESS_ENV = "STAPOCTL_RAY_ADDRESS"  # read by the job body (jobs/slurm.py) → cluster.address
 
 
 def env_lines(env: Mapping[str, str], pythonpath: str | None) -> list[str]:

@@ -4,7 +4,7 @@ Ray job per trial), for the sweep runner to call.
 
 Submitters sit above the trainer: the job they send is the ordinary `train` with the user's
 overrides (plus the store and run name written out), so a submitted run records to MLflow exactly
-as one started here. Every submission leaves a local record (`launch/records.py`) that
+as one started here. Every submission leaves a local record (`jobs/records.py`) that
 `stapoctl jobs` reads.
 """
 
@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from stapoctl.errors import UserError
-from stapoctl.launch import presets, records
+from stapoctl.jobs import presets, records
 
 BACKENDS = ("ray", "slurm")
 
@@ -64,7 +64,7 @@ def submit_run(conf: DictConfig, overrides: Sequence[str], *, dry_run: bool = Fa
 
 
 def _submit_ray(conf, overrides, run_name, uri, dry_run, follow, console) -> int:
-    from stapoctl.launch import ray_jobs
+    from stapoctl.jobs import ray_jobs
 
     spec = ray_jobs.job_spec(conf, overrides, run_name, uri)
     if dry_run:
@@ -85,7 +85,7 @@ def _submit_ray(conf, overrides, run_name, uri, dry_run, follow, console) -> int
 
 
 def _submit_slurm(conf, overrides, run_name, uri, dry_run, follow, console) -> int:
-    from stapoctl.launch import slurm
+    from stapoctl.jobs import slurm
 
     local_id = records.new_local_id("slurm")
     folder = slurm.folder_for(conf, local_id)
@@ -116,7 +116,7 @@ def _submit_slurm(conf, overrides, run_name, uri, dry_run, follow, console) -> i
 
 
 def _check_slurm(conf, required: bool) -> None:
-    from stapoctl.launch import slurm
+    from stapoctl.jobs import slurm
 
     try:
         slurm.require_client()
@@ -164,7 +164,7 @@ def submit_trials(base_overrides: Sequence[str], trials: Sequence[Sequence[str]]
     name = name or f"sweep-{conf.experiment}-{conf.loss.name}"
     per_trial = [[*t, f"tracking.parent_run_id={parent_run_id}"] for t in trials]
     if conf.cluster.name == "slurm":
-        from stapoctl.launch import slurm
+        from stapoctl.jobs import slurm
 
         _check_slurm(conf, required=True)
         local_id = records.new_local_id("slurm")
@@ -180,7 +180,7 @@ def submit_trials(base_overrides: Sequence[str], trials: Sequence[Sequence[str]]
                       f"({conf.cluster.array_parallelism} at once) · parent run {parent_run_id}")
         _print_hints(rec.job_id, console)
         return rec
-    from stapoctl.launch import ray_jobs
+    from stapoctl.jobs import ray_jobs
 
     local_id = records.new_local_id("ray")
     tasks, address = [], None
@@ -203,10 +203,10 @@ def wait(rec: records.JobRecord, console: Optional[Console] = None, poll_s: floa
     """Block until every job of the record has ended; job id → final state."""
     console = console or Console()
     if rec.backend == "slurm":
-        from stapoctl.launch import slurm
+        from stapoctl.jobs import slurm
 
         return slurm.follow(rec, console if stream_logs else Console(quiet=True), poll_s=poll_s)
-    from stapoctl.launch import ray_jobs
+    from stapoctl.jobs import ray_jobs
 
     tasks = list(rec.tasks) or [rec.job_id]
     if len(tasks) == 1 and stream_logs:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from stapoctl.reward.pool import RewardPool
 
 # Follows CompassVerifier's structure (question / standard answer / candidate sections, one-letter
 # verdict). Set reward.model_verifier_prompt to the model card's exact prompt for best accuracy.
@@ -142,3 +145,12 @@ class ModelVerifier:
                 ray.get(worker.shutdown.remote(), timeout=60)
             finally:
                 ray.kill(worker)
+
+
+def reward_pool(reward_cfg: Any) -> RewardPool:
+    """The run's scorer: the rule verifier, and the judge model when `reward.model_verifier` is set
+    (built here, in the engine layer, so `reward/` stays free of engines)."""
+    from stapoctl.reward.pool import RewardPool
+
+    verifier = ModelVerifier.from_config(reward_cfg) if getattr(reward_cfg, "model_verifier", None) else None
+    return RewardPool(reward_cfg, model_verifier=verifier)

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from stapoctl.errors import UserError
-from stapoctl.launch import records
+from stapoctl.jobs import records
 
 _SLURM_ID = re.compile(r"^\d+(_\d+)?$")
 
@@ -28,12 +28,12 @@ def resolve(job_id: str, address: Optional[str] = None) -> tuple[records.JobReco
     if rec is not None:
         return rec, (job_id if job_id in rec.tasks else None)
     if address or (os.environ.get("RAY_API_SERVER_ADDRESS") and not _SLURM_ID.match(job_id)):
-        from stapoctl.launch import ray_jobs
+        from stapoctl.jobs import ray_jobs
 
         addr = ray_jobs.normalize_address(address)
         return records.JobRecord("ray", job_id, "?", "(not submitted from here)", address=addr), None
     if _SLURM_ID.match(job_id):
-        from stapoctl.launch import slurm
+        from stapoctl.jobs import slurm
 
         slurm.require_client()
         live = slurm.states(job_id)
@@ -51,11 +51,11 @@ def _tasks(rec: records.JobRecord, task: Optional[str]) -> list[str]:
 
 def task_states(rec: records.JobRecord, task: Optional[str] = None) -> dict[str, str]:
     if rec.backend == "slurm":
-        from stapoctl.launch import slurm
+        from stapoctl.jobs import slurm
 
         live = slurm.states(rec.job_id)
         return {t: slurm.task_state(rec, t, live) for t in _tasks(rec, task)}
-    from stapoctl.launch import ray_jobs
+    from stapoctl.jobs import ray_jobs
 
     return {t: ray_jobs.status(rec.address, t)["state"] for t in _tasks(rec, task)}
 
@@ -84,7 +84,7 @@ def list_jobs(console: Console, limit: int = 20) -> None:
 
 def _logs_hint(rec: records.JobRecord) -> str:
     if rec.backend == "slurm":
-        from stapoctl.launch import slurm
+        from stapoctl.jobs import slurm
 
         return str(slurm.log_path(rec, _tasks(rec, None)[0]))
     return f"stapoctl jobs logs {rec.job_id}"
@@ -96,7 +96,7 @@ def show_status(job_id: str, console: Console, address: Optional[str] = None) ->
     for col in ("job", "state", "details"):
         table.add_column(col, overflow="fold")
     if rec.backend == "slurm":
-        from stapoctl.launch import slurm
+        from stapoctl.jobs import slurm
 
         live = slurm.states(rec.job_id)
         for t in _tasks(rec, task):
@@ -111,7 +111,7 @@ def show_status(job_id: str, console: Console, address: Optional[str] = None) ->
             details.append(f"log {slurm.log_path(rec, t)}")
             table.add_row(t, slurm.task_state(rec, t, live), " · ".join(details))
     else:
-        from stapoctl.launch import ray_jobs
+        from stapoctl.jobs import ray_jobs
 
         for t in _tasks(rec, task):
             st = ray_jobs.status(rec.address, t)
@@ -135,7 +135,7 @@ def _run_id_from_log(path: Path) -> Optional[str]:
 def show_logs(job_id: str, console: Console, follow: bool = False, address: Optional[str] = None) -> int:
     rec, task = resolve(job_id, address)
     if rec.backend == "slurm":
-        from stapoctl.launch import slurm
+        from stapoctl.jobs import slurm
 
         if task:
             rec = records.JobRecord(**{**rec.__dict__, "tasks": [task]})
@@ -151,7 +151,7 @@ def show_logs(job_id: str, console: Console, follow: bool = False, address: Opti
             else:
                 console.print(f"[dim]no log yet at {path} (state {task_states(rec, t)[t]})[/]")
         return 0
-    from stapoctl.launch import ray_jobs
+    from stapoctl.jobs import ray_jobs
 
     for t in _tasks(rec, task):
         if follow:
@@ -166,12 +166,12 @@ def show_logs(job_id: str, console: Console, follow: bool = False, address: Opti
 def stop_job(job_id: str, console: Console, address: Optional[str] = None) -> None:
     rec, task = resolve(job_id, address)
     if rec.backend == "slurm":
-        from stapoctl.launch import slurm
+        from stapoctl.jobs import slurm
 
         slurm.cancel(rec, task)
         console.print(f"cancelled SLURM job {task or rec.job_id}")
         return
-    from stapoctl.launch import ray_jobs
+    from stapoctl.jobs import ray_jobs
 
     for t in _tasks(rec, task):
         stopped = ray_jobs.stop(rec.address, t)

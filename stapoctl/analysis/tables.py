@@ -1,0 +1,99 @@
+"""The two tables of `stapoctl compare` (000 Table 2's accuracy layout, last-step training
+metrics) as rich tables, records, markdown and CSV."""
+
+from __future__ import annotations
+
+import csv
+import io
+from typing import Sequence
+
+from rich.table import Table
+
+from stapoctl.analysis.cells import accuracy_cells, column_header, training_cells
+from stapoctl.analysis.collect import TRAINING_COLUMNS, Comparison
+from stapoctl.tracking import keys
+
+
+def _sources(comp: Comparison) -> str:
+    found = sorted({(v[2], v[1]) for t in comp.trials for v in t.finals.values()})
+    return ", ".join(f"{s} avg@{k}" for s, k in found) or "none"
+
+
+def _present(comp: Comparison, metrics: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The metrics some run logged; the mean score only when reward accuracy is missing (±1
+    rewards make it 2·accuracy − 1)."""
+    out = [(m, h) for m, h in metrics if any(t.last(m) is not None for t in comp.trials)]
+    if metrics is TRAINING_COLUMNS and any(m == keys.ACCURACY for m, _ in out):
+        out = [(m, h) for m, h in out if m != keys.SCORE]
+    return out
+
+
+def tables(comp: Comparison, metrics: Sequence[tuple[str, str]] = TRAINING_COLUMNS) -> list[tuple[str, Table]]:
+    """(heading, table): the Table-2 layout (accuracy %, mean ± std (n seeds)) and the last
+    logged step's training metrics (mean ± std, seeds in the n column)."""
+    from rich import box
+
+    acc = accuracy_cells(comp)
+    cols = list(next(iter(acc.values()), {}).keys())
+    t2 = Table(box=box.SIMPLE_HEAD)
+    t2.add_column(comp.key, style="bold", no_wrap=True)
+    for col in cols:
+        t2.add_column(column_header(col), justify="right", no_wrap=True, style="bold" if col.startswith("avg/") else None)
+    for g, row in acc.items():
+        t2.add_row(g, *(row[c].text(100.0) for c in cols))
+    if not cols:
+        t2.caption = "no val/… or eval/… accuracy in these runs"
+    present = _present(comp, metrics)
+    tr = training_cells(comp, present)
+    t3 = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True)
+    t3.add_column(comp.key, style="bold", no_wrap=True)
+    t3.add_column("n", justify="right")
+    for m, h in present:
+        t3.add_column(h, justify="right")
+    for g, row in tr.items():
+        t3.add_row(g, str(len(comp.groups[g])), *(row[m].text(fmt=".3g", std_fmt=".2g", n=False) for m, _ in present))
+    return [
+        (f"Accuracy (%) by {comp.key}: mean ± std over seeds (n seeds); from {_sources(comp)}", t2),
+        ("Last logged step: mean ± std over seeds", t3),
+    ]
+
+
+def records(comp: Comparison, metrics: Sequence[tuple[str, str]] = TRAINING_COLUMNS) -> list[dict]:
+    """One flat record per (group, column): what table.csv / table.json hold."""
+    out = []
+    for kind, cells in (("accuracy", accuracy_cells(comp)), ("last_step", training_cells(comp, metrics))):
+        for g, row in cells.items():
+            for col, cell in row.items():
+                if cell.n:
+                    out.append({"table": kind, "group": g, "column": col, **cell.to_json(),
+                                "runs": [t.id for t in comp.groups[g]]})
+    return out
+
+
+def markdown(comp: Comparison, metrics: Sequence[tuple[str, str]] = TRAINING_COLUMNS) -> str:
+    acc = accuracy_cells(comp)
+    cols = list(next(iter(acc.values()), {}).keys())
+    lines = [f"## Accuracy (%) by {comp.key}", "",
+             f"mean ± sample std over seeds (n seeds); final accuracy from {_sources(comp)}.", ""]
+    lines += ["| " + " | ".join([comp.key] + [column_header(c) for c in cols]) + " |",
+              "|" + "---|" * (len(cols) + 1)]
+    lines += ["| " + " | ".join([g] + [row[c].text(100.0) for c in cols]) + " |" for g, row in acc.items()]
+    present = _present(comp, metrics)
+    tr = training_cells(comp, present)
+    lines += ["", "## Last logged step", "", "| " + " | ".join([comp.key] + [m for m, _ in present]) + " |",
+              "|" + "---|" * (len(present) + 1)]
+    lines += ["| " + " | ".join([g] + [row[m].text(fmt=".4g", std_fmt=".2g") for m, _ in present]) + " |"
+              for g, row in tr.items()]
+    lines += ["", "## Runs", "", "| group | seed | run | status |", "|---|---|---|---|"]
+    lines += [f"| {t.group} | {t.seed} | {comp.short[t.id]} ({t.run.info.run_name}) | {t.run.info.status.lower()} |"
+              for t in comp.trials]
+    return "\n".join(lines) + "\n"
+
+
+def csv_text(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["table", "group", "column", "mean", "std", "n"])
+    for r in rows:
+        w.writerow([r["table"], r["group"], r["column"], r["mean"], "" if r["std"] is None else r["std"], r["n"]])
+    return buf.getvalue()

@@ -1,0 +1,52 @@
+"""What `stapoctl train` and `stapoctl eval` need from the disk and this machine, checked before
+any MLflow run, run dir or Ray exists: the config itself (`config.validate`), then `resume=`,
+the machine, the datasets and the model. Each failure is one line (`UserError`, exit 2).
+
+Only what can be known locally is checked: a hub id or a remote Ray/SLURM cluster is checked
+where it is reached (download, `launch.placement.make_placement`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from omegaconf import DictConfig
+
+from stapoctl.config.validate import validate_config
+from stapoctl.errors import UserError
+from stapoctl.preflight.dataset import check_dataset, train_dataset
+from stapoctl.preflight.machine import check_machine
+from stapoctl.preflight.model import check_model
+from stapoctl.preflight.resume import check_resume
+
+
+def validate_train(conf: DictConfig) -> None:
+    """Everything `stapoctl train` needs, checked before an MLflow run, a run dir or Ray exists."""
+    validate_config(conf)
+    if conf.resume:
+        check_resume(conf)
+    check_machine(conf)
+    check_dataset(conf, train_dataset(conf))
+    if int(conf.eval.every_n_steps or 0) > 0:  # periodic validation reads the benchmarks too
+        from stapoctl.data.benches import expand_benches
+
+        try:
+            benches = expand_benches(list(conf.eval.benches))
+        except UserError as exc:
+            raise UserError(f"eval.benches: {str(exc).removeprefix('--bench ')}") from None
+        for bench in benches:
+            check_dataset(conf, bench, flag="eval.benches")
+    if conf.model.path and not conf.resume:
+        check_model(conf, str(conf.model.path), "model.path", context_key="rollout.max_response_length")
+
+
+def validate_eval(conf: DictConfig, model: str, benches: Sequence[str], k: Optional[int] = None) -> None:
+    """`stapoctl eval`: the model, every benchmark file and the rollout workers' placement."""
+    from stapoctl.data.benches import samples_per_problem
+
+    check_machine(conf, learner=False)
+    for bench in benches:
+        samples_per_problem(bench, k)
+        check_dataset(conf, bench, flag="--bench")
+    if model:
+        check_model(conf, model, "--model" if model != str(conf.model.path or "") else "model.path")
