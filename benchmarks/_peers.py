@@ -62,7 +62,7 @@ def train_rows(conf, tokenizer_dir: str) -> list[dict]:
     from rich.console import Console
     from transformers import AutoTokenizer
 
-    from stapoctl.trainer.driver import TRAIN_DATA, load_rows, tokenize_prompts
+    from stapoctl.data.prompts import TRAIN_DATA, load_rows, tokenize_prompts
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     rows = load_rows(TRAIN_DATA.get(conf.data.name, conf.data.name), conf, tokenizer_dir)

@@ -57,7 +57,7 @@ elif what == "vllm":
     from stapoctl.rollout.vllm_engine import EngineSpec, configure_env, make_llm, generate
     from stapoctl.rollout.vllm_worker import rollout_env
     from stapoctl.config.compose import compose_config
-    from stapoctl.trainer.engines import max_model_len
+    from stapoctl.trainer.engine_settings import max_model_len
     from stapoctl.sync.worker_extension import EXTENSION_CLS
     conf = compose_config([])
     spec = EngineSpec(model_path=model_dir, seed=0, max_model_len=max_model_len(conf, model_dir), dtype="float32",

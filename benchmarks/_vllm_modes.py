@@ -82,7 +82,7 @@ def main() -> None:
     from rich.table import Table
 
     from stapoctl.data.templates import load_tokenizer
-    from stapoctl.trainer.engines import max_model_len
+    from stapoctl.trainer.engine_settings import max_model_len
 
     conf = _peers.compose([])  # the embedded default (experiments/tiny.yaml)
     model = _peers.model_dir(args.size, conf)

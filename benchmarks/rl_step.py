@@ -52,7 +52,7 @@ def _median(xs):
 
 
 def measure(size: str, repeats: int, console) -> tuple[list[dict], dict]:
-    from stapoctl.trainer.engines import thread_counts
+    from stapoctl.trainer.engine_settings import thread_counts
 
     conf0 = _peers.compose(BASE_OVERRIDES)
     mdir = _peers.model_dir(size, conf0)

@@ -23,21 +23,21 @@ from typing import Any
 TARGET_S = 10.0
 # phase → (module path, attribute); each call's wall time is added to the current trial
 PHASES = {
-    "model resolve": ("stapoctl.trainer.driver", "resolve_policy"),
-    "data + tokenize": ("stapoctl.trainer.driver", "prepare_data"),
+    "model resolve": ("stapoctl.trainer.setup", "resolve_policy"),
+    "data + tokenize": ("stapoctl.trainer.setup", "prepare_data"),
     "mlflow config params": ("stapoctl.tracking.mlflow_run", "log_config"),
     "mlflow env tags": ("stapoctl.tracking.mlflow_run", "env_snapshot"),
     "mlflow per-step metrics": ("stapoctl.tracking.mlflow_run", "log_metrics"),
     "mlflow set_tag(s)": ("mlflow", "set_tag"),
     "mlflow set_tags": ("mlflow", "set_tags"),
     "engines acquire (reset+sync)": ("stapoctl.trainer.session.EngineSession", "acquire"),
-    "checkpoint save": ("stapoctl.trainer.driver", "_save"),
-    "samples artifact": ("stapoctl.trainer.driver", "_log_samples"),
+    "checkpoint save": ("stapoctl.trainer.loop", "_save"),
+    "samples artifact": ("stapoctl.trainer.loop", "_log_samples"),
     "base eval read": ("stapoctl.models.tiny", "base_eval"),
     "sweep bookkeeping": ("stapoctl.sweep.store", "log_trial_timing"),
     "sweep finished-check": ("stapoctl.sweep.store", "trial_finished"),
-    "(steps)": ("stapoctl.trainer.driver.StepRunner", "run"),
-    "(validation)": ("stapoctl.trainer.driver", "_validate"),
+    "(steps)": ("stapoctl.trainer.step_runner.StepRunner", "run"),
+    "(validation)": ("stapoctl.trainer.loop", "_validate"),
 }
 
 

@@ -87,7 +87,7 @@ def eval_cmd(
 ) -> None:
     """Evaluate a model: avg@k, pass@k, maj@k per benchmark and decoding config."""
     conf = _compose(overrides)
-    from stapoctl.eval.runner import run_eval
+    from stapoctl.eval.command import run_eval
 
     run_eval(conf, benches=bench, model=model, k=k, decoding=decoding, limit=limit, console=console)
 

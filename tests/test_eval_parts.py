@@ -136,7 +136,7 @@ def test_eval_run_is_nested_under_the_training_run(tmp_path, monkeypatch):
     import mlflow
     from omegaconf import OmegaConf
 
-    from stapoctl.eval.runner import _eval_run, _log_mlflow
+    from stapoctl.eval.mlflow_log import eval_run, log_mlflow
     from stapoctl.tracking import mlflow_run
 
     monkeypatch.chdir(tmp_path)
@@ -147,8 +147,8 @@ def test_eval_run_is_nested_under_the_training_run(tmp_path, monkeypatch):
                              "eval": {"seed": 0}})
     summary = _summary()
     summary["limit"] = None
-    with _eval_run(conf, train_id[:8], summary["model_path"]) as opened:
-        _log_mlflow(conf, summary, [])
+    with eval_run(conf, train_id[:8], summary["model_path"]) as opened:
+        log_mlflow(conf, summary, [])
     run = mlflow.MlflowClient(tracking_uri=uri).get_run(opened.info.run_id)
     assert run.data.tags["mlflow.parentRunId"] == train_id
     assert run.data.tags["stapoctl.train_run_id"] == train_id

@@ -119,7 +119,7 @@ def test_enabled_resolves_auto_by_device(setting, on_cuda, zero_stage, checkpoin
 
 def test_the_run_tag_says_what_auto_resolved_to():
     from stapoctl.config.compose import compose_config
-    from stapoctl.trainer.engines import learner_shared_prefix
+    from stapoctl.trainer.engine_settings import learner_shared_prefix
 
     assert learner_shared_prefix(compose_config([])) == "on"
     assert learner_shared_prefix(compose_config(["learner.gpus_per_rank=1"])) == "off"

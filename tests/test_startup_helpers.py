@@ -207,8 +207,8 @@ def test_composing_and_checking_a_training_config_imports_no_torch(shared_home):
     # `stapoctl train` imports torch on a driver thread while Ray starts (~1 s of the start-up):
     # nothing before ray.init may import it for a CPU run
     code = ("import sys; from stapoctl.config.compose import compose_config; "
-            "from stapoctl.trainer.driver import check_config, _quiet_engine_logs; "
-            f"conf = compose_config({shared_home.overrides!r}); check_config(conf); _quiet_engine_logs(conf); "
+            "from stapoctl.trainer.setup import check_config, quiet_engine_logs; "
+            f"conf = compose_config({shared_home.overrides!r}); check_config(conf); quiet_engine_logs(conf); "
             "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
     env = {**os.environ, "STAPOCTL_HOME": str(shared_home.home)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)

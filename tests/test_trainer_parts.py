@@ -155,7 +155,7 @@ def test_resume_keeps_the_runs_config_and_applies_new_overrides():
     from omegaconf import OmegaConf
 
     from stapoctl.config.compose import compose_config
-    from stapoctl.trainer.driver import resume_config
+    from stapoctl.trainer.setup import resume_config
 
     original = compose_config(["loss=grpo", "learner.lr=3e-5"])
     state = {"config": OmegaConf.to_container(original, resolve=True)}
@@ -234,7 +234,7 @@ def test_token_diagnostics_run_in_the_background_and_a_failure_only_warns(monkey
     from omegaconf import OmegaConf
 
     from stapoctl.tracking import token_diagnostics
-    from stapoctl.trainer.driver import StepRunner
+    from stapoctl.trainer.step_runner import StepRunner
 
     seen: list = []
 

@@ -36,7 +36,7 @@ def _prepare(conf: DictConfig, overrides: Sequence[str]) -> DictConfig:
             "to run here use `stapoctl train`"
         )
     conf = presets.apply(conf, overrides)
-    from stapoctl.trainer.driver import check_config
+    from stapoctl.trainer.setup import check_config
 
     check_config(conf)  # fail now, not after the job waited in a queue
     return conf

@@ -86,6 +86,31 @@ def extensions_dir() -> str:
     return str(path)
 
 
+def import_training_stack() -> None:
+    """Once per process, before the process group; `reset` then finds the model stack loaded."""
+    from stapoctl.launch.import_gc import paused_gc, skip_unused_imports
+    from stapoctl.launch.ray_runtime import in_ray_actor
+
+    if in_ray_actor():
+        skip_unused_imports()
+    # DeepSpeed + transformers imports are most of the learner's start-up
+    with paused_gc("transformers.models.qwen3.modeling_qwen3"):
+        import torch
+        import transformers.models.qwen3.modeling_qwen3  # (the tiny and Qwen3 models)
+        from transformers import AutoModelForCausalLM
+    del torch, transformers, AutoModelForCausalLM  # imported for their load only; callers import their own
+
+
+def host_info(shim: bool) -> dict:
+    """Where this rank runs, for the run's records: MKL's code path and the Ray node."""
+    from stapoctl.launch import mkl_shim
+    from stapoctl.launch.ray_runtime import runtime_context
+
+    mkl = {"code_path": mkl_shim.mkl_code_path(), "amd_shim": shim}
+    ctx = runtime_context()  # None: constructed outside Ray (tests, benchmarks)
+    return {"mkl": mkl, "node_id": ctx.get_node_id() if ctx is not None else ""}
+
+
 class EngineSetup:
     """Mixin of the learner actor: `setup` (not `__init__`) starts DeepSpeed, so the driver can
     hand every rank the rendezvous address of rank 0 first; `reset` starts a fresh run (a new
@@ -112,17 +137,23 @@ class EngineSetup:
         master_addr: str = "127.0.0.1",
         master_port: Optional[int] = None,
     ) -> dict:
+        """Once per process: what a later sweep trial keeps (imports, process group, MKL's first
+        use) is done here, the rest in `reset`."""
         t0 = time.perf_counter()
-        from stapoctl.launch.import_gc import paused_gc, skip_unused_imports
-        from stapoctl.launch.ray_runtime import in_ray_actor
+        import_training_stack()
+        self._join_process_group(learner, master_addr, master_port)
+        out = self.reset(model_path, learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
+                         dtype=dtype, seed=seed, max_response_length=max_response_length)
+        shim = self._take_first_forward()
+        out["setup_s"] = time.perf_counter() - t0
+        out.update(host_info(shim))
+        return out
 
-        if in_ray_actor():
-            skip_unused_imports()
-        # DeepSpeed + transformers imports are most of the learner's start-up
-        with paused_gc("transformers.models.qwen3.modeling_qwen3"):
-            import torch
-            import transformers.models.qwen3.modeling_qwen3  # noqa: F401  (the tiny and Qwen3 models)
-            from transformers import AutoModelForCausalLM  # noqa: F401
+    def _join_process_group(self, learner: dict, master_addr: str, master_port: Optional[int]) -> None:
+        """torch.distributed's rendezvous from this rank's env; fixes the device every later call uses."""
+        import torch
+
+        from stapoctl.launch.import_gc import paused_gc
 
         use_cuda = uses_cuda(learner)
         if not use_cuda:
@@ -145,13 +176,16 @@ class EngineSetup:
         deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         self.use_cuda = use_cuda
-        out = self.reset(model_path, learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
-                         dtype=dtype, seed=seed, max_response_length=max_response_length)
+
+    def _take_first_forward(self) -> bool:
+        """Whether the MKL shim is loaded; if so (on CPU), spends its first-use effect on a
+        discarded forward so that no measured one gets it."""
+        import torch
+
         from stapoctl.launch import mkl_shim
-        from stapoctl.launch.ray_runtime import runtime_context
 
         shim = mkl_shim.loaded_here()
-        if shim and not use_cuda:
+        if shim and not self.use_cuda:
             # Under the MKL shim the first forward of a learner process came out slightly off in
             # ~30% of runs (log-probs up to 7.6e-4 from vLLM's, against 5e-6 at every later step,
             # and never without the shim): a first-use effect in MKL's AVX-512 path on this AMD
@@ -160,11 +194,7 @@ class EngineSetup:
             # tests/test_train_e2e.py watches for it.
             with torch.no_grad():
                 self.module(input_ids=torch.ones(2, 8, dtype=torch.long))
-        out["setup_s"] = time.perf_counter() - t0
-        out["mkl"] = {"code_path": mkl_shim.mkl_code_path(), "amd_shim": shim}
-        ctx = runtime_context()  # None: constructed outside Ray (tests, benchmarks)
-        out["node_id"] = ctx.get_node_id() if ctx is not None else ""
-        return out
+        return shim
 
     def reset(
         self,
@@ -185,14 +215,32 @@ class EngineSetup:
         learner computes what a freshly started one would.
         """
         t0 = time.perf_counter()
-        import deepspeed
-        import torch
-        from transformers import AutoModelForCausalLM
-
         self._release_engine()
         if not self.use_cuda:
-            threads = int(learner.get("num_threads") or 0) or max(1, int(math.floor(float(learner.get("cpus") or 1))))
-            torch.set_num_threads(threads)
+            self._set_threads(learner)
+        self._set_run_config(learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
+                             max_response_length=max_response_length)
+        bf16 = dtype in ("bfloat16", "bf16")
+        model = self._load_model(model_path, learner, seed=seed, bf16=bf16)
+        grad_accum = self._plan_batches(learner)
+        self._build_engine(model, learner, grad_accum=grad_accum, bf16=bf16)
+        self.clip = float(learner["grad_clip"]) if clips_itself(learner, bf16) else None
+        self.grad_accum = grad_accum
+        self.optimizer_steps = 0
+        return {"reset_s": time.perf_counter() - t0, "rank": self.rank, "zero_stage": self.zero_stage,
+                "world_size": self.world_size,
+                "params": sum(p.numel() for p in model.parameters()) if self.zero_stage < 3 else -1}
+
+    def _set_threads(self, learner: dict) -> None:
+        """CPU: torch's intra-op threads to the rank's CPU share, unless `num_threads` says."""
+        import torch
+
+        threads = int(learner.get("num_threads") or 0) or max(1, int(math.floor(float(learner.get("cpus") or 1))))
+        torch.set_num_threads(threads)
+
+    def _set_run_config(self, learner: dict, loss: dict, *, n_per_prompt: int, temperature: float,
+                        max_response_length: Optional[int]) -> None:
+        """The run's settings the PPO step reads; copies, so a caller's later edits don't leak in."""
         self.learner = dict(learner)
         self.loss_cfg = dict(loss)
         self.loss_name = self.loss_cfg["name"]
@@ -200,12 +248,22 @@ class EngineSetup:
         self.temperature = float(temperature)
         self.max_response_length = max_response_length
         self.zero_stage = int(learner["zero_stage"])
-        bf16 = dtype in ("bfloat16", "bf16")
+
+    def _load_model(self, model_path: str, learner: dict, *, seed: int, bf16: bool):
+        """The weights from `model_path`, after seeding this rank's RNG (dropout, any fresh init)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
         torch.manual_seed(seed + self.rank)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if bf16 else torch.float32)
         if learner.get("gradient_checkpointing"):
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
+        return model
+
+    def _plan_batches(self, learner: dict) -> int:
+        """Micro- and mini-batch sizes (`micro`, `mini_rows`); returns the accumulation steps a
+        rank's share of a mini-batch takes."""
         self.micro = int(learner["micro_batch_size"])
         mini_rows = int(learner["ppo_mini_batch_size"]) * self.n
         if mini_rows % self.world_size:
@@ -216,7 +274,13 @@ class EngineSetup:
             )
         self.mini_rows = mini_rows
         per_rank = mini_rows // self.world_size
-        grad_accum = max(1, -(-per_rank // self.micro))
+        return max(1, -(-per_rank // self.micro))
+
+    def _build_engine(self, model, learner: dict, *, grad_accum: int, bf16: bool) -> None:
+        """AdamW and the warm-up schedule, wrapped by DeepSpeed (`engine`, `optimizer`, `scheduler`)."""
+        import deepspeed
+        import torch
+
         optimizer = adamw(
             model.parameters(),
             lr=float(learner["lr"]),
@@ -237,12 +301,6 @@ class EngineSetup:
             # One rank: DeepSpeed's allreduce flattens every gradient into a buffer, "reduces" it
             # over a group of one and copies it back (5.7% of a 25M step here) - an identity.
             self.engine.enable_backward_allreduce = False
-        self.clip = float(learner["grad_clip"]) if clips_itself(learner, bf16) else None
-        self.grad_accum = grad_accum
-        self.optimizer_steps = 0
-        return {"reset_s": time.perf_counter() - t0, "rank": self.rank, "zero_stage": self.zero_stage,
-                "world_size": self.world_size,
-                "params": sum(p.numel() for p in model.parameters()) if self.zero_stage < 3 else -1}
 
     def _release_engine(self) -> None:
         """Drop the previous run's engine (ZeRO-3 hooks included) before building the next."""

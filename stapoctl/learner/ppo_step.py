@@ -137,71 +137,97 @@ class PPOStep:
 
     def _update(self, batch, global_step: int, first_pass: Optional[dict], *, behavior: bool = False,
                 is_cap: float = 2.0) -> dict:
-        from stapoctl.losses import compute_policy_loss, prepare_minibatch, slice_context
-
+        """`ppo_epochs` passes over the batch, one optimizer step per mini-batch."""
         acc = MetricAccumulator(self._all_gather_objects)
         epochs = int(self.learner.get("ppo_epochs") or 1)
         n_rows = len(batch)
-        cfg = self.loss_cfg
         updated = False
         grad_norms = []
         for _ in range(epochs):
             for start in range(0, n_rows, self.mini_rows):
                 mini_sl = slice(start, min(start + self.mini_rows, n_rows))
-                mini = batch.select(mini_sl)
-                mine = self._my_rows(len(mini))
-                micro_sls = plan_micro_batches(mine.stop - mine.start, self.micro)
-                single = len(micro_sls) == 1 and self.world_size == 1
-                extras = {"group_ids": mini.group_ids, "global_step": int(global_step)}
-                if self.max_response_length:
-                    extras["max_response_length"] = int(self.max_response_length)
-                if not updated and first_pass is not None:  # the measuring pass ran at these weights
-                    ent, lp, p2 = (first_pass[k][mini_sl] for k in ("entropy", "log_prob", "sum_p2"))
-                    context = prepare_minibatch(self.loss_name, log_prob=lp, advantages=mini.advantages,
-                                                response_mask=mini.response_mask, entropy=ent,
-                                                old_log_prob=mini.old_log_probs, sum_p2=p2, **extras, **cfg)
-                elif single:
-                    ent = lp = context = None  # taken from the gradient pass below
-                else:
-                    ent, lp, p2 = self._no_grad_pass(mini, mine)
-                    ent, lp, p2 = (self._all_gather_rows(t) for t in (ent, lp, p2))
-                    context = prepare_minibatch(self.loss_name, log_prob=lp, advantages=mini.advantages,
-                                                response_mask=mini.response_mask, entropy=ent,
-                                                old_log_prob=mini.old_log_probs, sum_p2=p2, **extras, **cfg)
-                for k, sl in enumerate(micro_sls):
-                    rows = slice(mine.start + sl.start, mine.start + sl.stop)
-                    mb = mini.select(rows)
-                    ent_g, lp_g, p2_g = self._token_stats(mb)
-                    mask = mb.response_mask.to(self.device)
-                    if context is None:
-                        context = prepare_minibatch(self.loss_name, log_prob=lp_g.detach(),
-                                                    advantages=mb.advantages, response_mask=mask,
-                                                    entropy=ent_g, old_log_prob=mb.old_log_probs,
-                                                    sum_p2=p2_g, **extras, **cfg)
-                        ent_mb = ent_g
-                    else:
-                        ent_mb = ent[rows].to(self.device)
-                    mb_extras = dict(extras, group_ids=mb.group_ids.to(self.device))
-                    if behavior:
-                        mb_extras.update(behavior_log_prob=mb.rollout_log_probs.to(self.device), is_cap=float(is_cap))
-                    loss, m = compute_policy_loss(
-                        self.loss_name,
-                        log_prob=lp_g,
-                        old_log_prob=mb.old_log_probs.to(self.device),
-                        advantages=_dev(mb.advantages, self.device),
-                        response_mask=mask,
-                        entropy=ent_mb,
-                        sum_p2=p2_g,
-                        **mb_extras,
-                        **cfg,
-                        **slice_context(context, rows),
-                    )
-                    boundary_norm = self._backward(loss, boundary=k == len(micro_sls) - 1)
-                    acc.add(m)
-                grad_norms.append(self._optimizer_step(boundary_norm))
-                acc.end_minibatch()
+                measured = None if updated else first_pass  # after an update the weights have moved on
+                grad_norms.append(self._update_minibatch(batch, mini_sl, global_step, measured, acc,
+                                                         behavior=behavior, is_cap=is_cap))
                 updated = True
-                context = None
+        return self._step_metrics(acc, grad_norms)
+
+    def _update_minibatch(self, batch, mini_sl: slice, global_step: int, first_pass: Optional[dict],
+                          acc: MetricAccumulator, *, behavior: bool, is_cap: float) -> float:
+        """One optimizer step on batch[mini_sl]: this rank's rows, micro-batch by micro-batch,
+        accumulated into a single update. Returns its grad norm."""
+        mini = batch.select(mini_sl)
+        mine = self._my_rows(len(mini))
+        micro_sls = plan_micro_batches(mine.stop - mine.start, self.micro)
+        single = len(micro_sls) == 1 and self.world_size == 1
+        extras = {"group_ids": mini.group_ids, "global_step": int(global_step)}
+        if self.max_response_length:
+            extras["max_response_length"] = int(self.max_response_length)
+        ent, context = self._minibatch_context(mini, mini_sl, mine, extras, first_pass, single)
+        for k, sl in enumerate(micro_sls):
+            rows = slice(mine.start + sl.start, mine.start + sl.stop)
+            loss, m, context = self._micro_loss(mini.select(rows), rows, ent, context, extras,
+                                                behavior=behavior, is_cap=is_cap)
+            boundary_norm = self._backward(loss, boundary=k == len(micro_sls) - 1)
+            acc.add(m)
+        norm = self._optimizer_step(boundary_norm)
+        acc.end_minibatch()
+        return norm
+
+    def _minibatch_context(self, mini, mini_sl: slice, mine: slice, extras: dict, first_pass: Optional[dict],
+                           single: bool):
+        """(entropy, loss context) of the whole mini-batch, all ranks' rows, at the current weights:
+        the loss's mini-batch statistics must not depend on how the rows are split. (None, None)
+        when the single gradient pass can supply both."""
+        from stapoctl.losses import prepare_minibatch
+
+        if first_pass is not None:  # the measuring pass ran at these weights
+            ent, lp, p2 = (first_pass[k][mini_sl] for k in ("entropy", "log_prob", "sum_p2"))
+        elif single:
+            return None, None  # taken from the gradient pass below
+        else:
+            ent, lp, p2 = self._no_grad_pass(mini, mine)
+            ent, lp, p2 = (self._all_gather_rows(t) for t in (ent, lp, p2))
+        context = prepare_minibatch(self.loss_name, log_prob=lp, advantages=mini.advantages,
+                                    response_mask=mini.response_mask, entropy=ent,
+                                    old_log_prob=mini.old_log_probs, sum_p2=p2, **extras, **self.loss_cfg)
+        return ent, context
+
+    def _micro_loss(self, mb, rows: slice, ent, context, extras: dict, *, behavior: bool, is_cap: float):
+        """The gradient forward of one micro-batch (mini-batch rows `rows`) and its loss.
+        Returns (loss, metrics, context): the context is built here when none was passed in."""
+        from stapoctl.losses import compute_policy_loss, prepare_minibatch, slice_context
+
+        cfg = self.loss_cfg
+        ent_g, lp_g, p2_g = self._token_stats(mb)
+        mask = mb.response_mask.to(self.device)
+        if context is None:
+            context = prepare_minibatch(self.loss_name, log_prob=lp_g.detach(),
+                                        advantages=mb.advantages, response_mask=mask,
+                                        entropy=ent_g, old_log_prob=mb.old_log_probs,
+                                        sum_p2=p2_g, **extras, **cfg)
+            ent_mb = ent_g
+        else:
+            ent_mb = ent[rows].to(self.device)
+        mb_extras = dict(extras, group_ids=mb.group_ids.to(self.device))
+        if behavior:
+            mb_extras.update(behavior_log_prob=mb.rollout_log_probs.to(self.device), is_cap=float(is_cap))
+        loss, m = compute_policy_loss(
+            self.loss_name,
+            log_prob=lp_g,
+            old_log_prob=mb.old_log_probs.to(self.device),
+            advantages=_dev(mb.advantages, self.device),
+            response_mask=mask,
+            entropy=ent_mb,
+            sum_p2=p2_g,
+            **mb_extras,
+            **cfg,
+            **slice_context(context, rows),
+        )
+        return loss, m, context
+
+    def _step_metrics(self, acc: MetricAccumulator, grad_norms: list[float]) -> dict:
+        """The step's metrics: the accumulated loss metrics plus the optimizer's."""
         out = acc.result()
         out["actor/grad_norm"] = float(sum(grad_norms) / max(len(grad_norms), 1))
         out["actor/lr"] = float(self.scheduler.get_last_lr()[0]) if self.scheduler else float(self.learner["lr"])

@@ -84,7 +84,7 @@ def check_plan(definition: SweepDefinition, extra: tuple[str, ...] = ()) -> dict
     """Compose every value's config before anything starts: a typo in the key, a value or an
     override gives compose's one-line error (naming the key) instead of a failed trial later.
     Returns value → its config (with the first seed)."""
-    from stapoctl.trainer.driver import check_config
+    from stapoctl.trainer.setup import check_config
 
     confs: dict[str, DictConfig] = {}
     for trial in plan_trials(definition, "", extra):

@@ -11,9 +11,6 @@ with a checkpoint continues from it, the others start a new child run).
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +23,7 @@ from stapoctl.errors import RunStopped, UserError
 from stapoctl.sweep import layout, store
 from stapoctl.sweep.definition import SweepCommand, SweepDefinition, override_key, parse_command
 from stapoctl.sweep.plan import Trial, check_plan, compose_trial, plan_trials
+from stapoctl.sweep.signals import signals_as_interrupt, signals_deferred
 
 # on a resume, overrides may add or change where and how the trials run, not what they compute
 RESUME_MAY_CHANGE = ("tracking.", "cluster.")
@@ -209,7 +207,7 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
     received: list[str] = []
     stop_reason: Optional[str] = None
     try:
-        with _signals_as_interrupt(received), EngineSession(console) as session, \
+        with signals_as_interrupt(received), EngineSession(console) as session, \
                 SweepView(console, definition.name, len(trials), len(trials) - len(todo)) as view:
             for pos, trial in enumerate(todo):
                 view.start(trial.index, trial.run_name, len(todo) - pos)
@@ -221,27 +219,15 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
                     summary = train(compose_trial(trial, resume), console=console, session=session)
                 except KeyboardInterrupt:
                     stop_reason = f"interrupted ({received[0] if received else 'SIGINT'}) during trial {trial.index + 1}"
-                    with _signals_deferred():
-                        child_id = _attempt_run(sweep_id, trial, records, resume, uri, since)
-                        if child_id is not None:
-                            store.end_child(child_id, uri, "KILLED", stop_reason)
-                        store.end_parent(sweep_id, uri, "KILLED", stop_reason)
+                    _end_interrupted(sweep_id, trial, records, resume, uri, since, stop_reason)
                     raise
                 except RunStopped as exc:  # a signal: train stopped after its step, checkpointed, ended KILLED
                     stop_reason = f"interrupted ({signal_name(exc.signum)}) during trial {trial.index + 1}"
-                    with _signals_deferred():
-                        store.end_parent(sweep_id, uri, "KILLED", stop_reason)
-                    console.print(f"[yellow]sweep {sweep_id} {stop_reason}: the trial's run ended KILLED with a "
-                                  f"checkpoint; continue with `stapoctl sweep {definition.name} "
-                                  f"resume={sweep_id[:8]}`[/]")
+                    _end_stopped(definition, sweep_id, uri, stop_reason, console)
                     return exc.exit_code
                 except Exception as exc:  # the trial failed: record it, go on with fresh engines
                     error = store.one_line(exc)
-                    child_id = _attempt_run(sweep_id, trial, records, resume, uri, since)
-                    if child_id is not None:
-                        store.end_child(child_id, uri, "FAILED", error)
-                    else:
-                        child_id = store.record_failed_trial(sweep_id, trial, experiment, uri, error)
+                    child_id = _record_failure(sweep_id, trial, records, resume, uri, since, experiment, error)
                     outcomes[trial.index] = Outcome(trial, "FAILED", child_id, wall_s=time.perf_counter() - t0)
                     view.finish(f"[bold red]✗ trial {trial.index + 1}/{len(trials)} {trial.run_name} FAILED[/]: {error}")
                     continue
@@ -262,6 +248,37 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
             store.end_parent(sweep_id, uri, "FAILED", store.one_line(exc))
         raise
     return _finish(definition, sweep_id, trials, outcomes, uri, console)
+
+
+def _end_interrupted(sweep_id: str, trial: Trial, records: dict, resume: Optional[str], uri: Optional[str],
+                     since: float, stop_reason: str) -> None:
+    """Ctrl-C or SIGTERM during a trial: its run and the parent end KILLED."""
+    with signals_deferred():
+        child_id = _attempt_run(sweep_id, trial, records, resume, uri, since)
+        if child_id is not None:
+            store.end_child(child_id, uri, "KILLED", stop_reason)
+        store.end_parent(sweep_id, uri, "KILLED", stop_reason)
+
+
+def _end_stopped(definition: SweepDefinition, sweep_id: str, uri: Optional[str], stop_reason: str,
+                 console: Console) -> None:
+    """train() already ended the trial's run KILLED with a checkpoint; the parent follows."""
+    with signals_deferred():
+        store.end_parent(sweep_id, uri, "KILLED", stop_reason)
+    console.print(f"[yellow]sweep {sweep_id} {stop_reason}: the trial's run ended KILLED with a "
+                  f"checkpoint; continue with `stapoctl sweep {definition.name} "
+                  f"resume={sweep_id[:8]}`[/]")
+
+
+def _record_failure(sweep_id: str, trial: Trial, records: dict, resume: Optional[str], uri: Optional[str],
+                    since: float, experiment: str, error: str) -> str:
+    """The failed attempt's run ends FAILED; one is made for it when it failed before creating one."""
+    child_id = _attempt_run(sweep_id, trial, records, resume, uri, since)
+    if child_id is not None:
+        store.end_child(child_id, uri, "FAILED", error)
+    else:
+        child_id = store.record_failed_trial(sweep_id, trial, experiment, uri, error)
+    return child_id
 
 
 def _attempt_run(sweep_id: str, trial: Trial, records: dict, resume: Optional[str], uri: Optional[str],
@@ -347,38 +364,3 @@ def print_plan(definition: SweepDefinition, trials: list[Trial], console: Consol
         shown = [o for o in t.overrides[1:] if not o.startswith(("tracking.run_name=", "++tracking.tags="))]
         table.add_row(str(t.index + 1), t.run_name, t.value, str(t.seed), " ".join(shown))
     console.print(table)
-
-
-# -- signals -----------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _signals_as_interrupt(received: list[str]):
-    """SIGTERM (a scheduler's stop) unwinds like Ctrl-C, so the same code ends the runs KILLED;
-    `received` gets the signal's name."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum, frame):
-        received.append(signal.Signals(signum).name)
-        raise KeyboardInterrupt
-
-    old_term = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-
-
-@contextlib.contextmanager
-def _signals_deferred():
-    """Hold SIGINT/SIGTERM for the few ms it takes to write the runs' statuses."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    old = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)

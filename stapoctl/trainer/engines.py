@@ -13,81 +13,15 @@ holds optimizer state that only a checkpoint can restore: its death ends the run
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from stapoctl.errors import UserError
 from stapoctl.launch.actor_errors import describe_actor_death, user_error_in
-
-
-def max_model_len(conf: DictConfig, model_path: str) -> int:
-    """Prompt + the longest response training or validation asks for, within the model's window."""
-    want = int(conf.data.max_prompt_length) + max(
-        int(conf.rollout.max_response_length), int(conf.eval.max_response_length)
-    )
-    try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        limit = int(cfg.get("max_position_embeddings") or want)
-    except (OSError, ValueError):
-        limit = want
-    return min(want, limit)
-
-
-def thread_counts(conf: DictConfig) -> tuple[int, int]:
-    """Intra-op threads of (each rollout actor, each learner rank).
-
-    0 = auto. In the synchronous loop one phase runs at a time, so the active role may use the
-    whole node (its cores shared among the role's actors); in async mode both roles run at once
-    and each actor keeps to its CPU share. On a remote cluster the driver does not know the
-    nodes' cores, so auto keeps to the share there too.
-    """
-    import math
-    import os
-
-    r, lrn = conf.rollout, conf.learner
-    shares = (max(1, math.floor(float(r.cpus_per_worker))), max(1, math.floor(float(lrn.cpus))))
-    if conf.trainer.mode == "sync" and not conf.cluster.address:
-        cores = int(conf.cluster.num_cpus or len(os.sched_getaffinity(0)) or 1)
-        shares = (max(1, cores // max(1, int(r.num_workers))), max(1, cores // max(1, int(lrn.num_ranks or 1))))
-    return (int(r.num_threads) or shares[0], int(lrn.num_threads) or shares[1])
-
-
-def old_logprob_source(conf: DictConfig) -> str:
-    """`auto`: vLLM's log-probs where they equal the learner's (synchronous, fp32, T=1: measured to
-    ~1e-6 here and watched by the canary), the learner's recompute elsewhere (bf16 kernels differ,
-    vLLM's log-probs are untempered, async training needs the proximal policy's)."""
-    source = str(conf.rollout.old_logprob_source)
-    if source != "auto":
-        return source
-    exact = (conf.trainer.mode == "sync" and conf.model.dtype in ("float32", "fp32")
-             and float(conf.rollout.temperature) == 1.0)
-    return "rollout" if exact else "recompute"
-
-
-def learner_shared_prefix(conf: DictConfig) -> str:
-    """"on" / "off": what `learner.shared_prefix` (null = auto by device) resolves to for this run."""
-    from stapoctl.learner import shared_prefix
-
-    on_gpu = float(conf.learner.gpus_per_rank or 0) > 0
-    return "on" if shared_prefix.enabled(dict(conf.learner), on_gpu) else "off"
-
-
-def learner_args(conf: DictConfig) -> dict[str, Any]:
-    """Everything a learner rank's `setup` / `reset` takes from a run's config."""
-    r = conf.rollout
-    learner = OmegaConf.to_container(conf.learner, resolve=True)
-    learner["num_threads"] = thread_counts(conf)[1]
-    return dict(
-        learner=learner,
-        loss=OmegaConf.to_container(conf.loss, resolve=True),
-        n_per_prompt=int(r.n), temperature=float(r.temperature), dtype=conf.model.dtype,
-        seed=int(conf.trainer.seed), max_response_length=int(r.max_response_length),
-    )
+from stapoctl.trainer.engine_settings import learner_args, max_model_len, thread_counts
 
 
 @dataclass

@@ -30,7 +30,7 @@ RESTART_KEYS = (
 
 def engine_key(conf: DictConfig, policy_path: str) -> str:
     """What the running engines were built for; equal keys ⇒ a reset is enough."""
-    from stapoctl.trainer.engines import max_model_len, thread_counts
+    from stapoctl.trainer.engine_settings import max_model_len, thread_counts
 
     parts: dict[str, Any] = {"policy": policy_path, "max_model_len": max_model_len(conf, policy_path),
                              "rollout_threads": thread_counts(conf)[0]}  # fixed when vLLM starts
@@ -91,7 +91,7 @@ class EngineSession:
         """Engines ready for a new run of `conf` starting from `policy_path`'s weights."""
         import ray
 
-        from stapoctl.trainer.engines import learner_args
+        from stapoctl.trainer.engine_settings import learner_args
 
         self._ensure_scorer(conf)
         key = engine_key(conf, policy_path)

@@ -1,0 +1,244 @@
+"""The training loop: its steps (rollouts launched ahead in async mode), validation when due,
+the metrics logged, checkpoints when due or when a signal asks the run to stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from stapoctl.trainer.run_record import ReplayCheck, set_tags
+from stapoctl.trainer.step_runner import PendingRollout, StepRunner
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """The run's last step and how often it validates, checkpoints and draws token diagnostics
+    (every N steps; 0: never)."""
+
+    total: int
+    val_every: int
+    save_freq: int
+    diag_every: int
+
+
+@dataclass
+class Loop:
+    conf: DictConfig
+    runner: "StepRunner"
+    sampler: Any
+    run_id: str
+    run_dir: Path
+    base_model: str
+    tokenizer_dir: str
+    stop: Any = None  # GracefulStop: a signal ends the loop after the step in progress
+
+    def run(self, start_step: int, console: Console) -> dict:
+        """Steps start_step+1 … total: step, validate when due, log, checkpoint when due."""
+        from stapoctl.trainer.live_view import LiveView
+
+        conf, runner = self.conf, self.runner
+        total = int(conf.trainer.total_steps)
+        due = Cadence(total, int(conf.eval.every_n_steps or 0), int(conf.trainer.save_freq or 0),
+                      int(conf.trainer.get("diagnostics_every") or 0))
+        first_val: dict = {}
+        replay = ReplayCheck()
+        with LiveView(console, total, start_step, title=f"{conf.experiment} · {conf.loss.name}") as view:
+            if runner.data.val_sets and start_step == 0 and conf.trainer.val_before_train:
+                first_val = self._validate_start(view)
+            ahead = int(conf.trainer.max_staleness) if conf.trainer.mode == "async" else 0
+            try:
+                last, saved = self._steps(view, start_step, ahead, due, replay)
+                runner.engines.wait_weights()
+            finally:  # the figures still being drawn go into the run before its record ends
+                runner.drain_diagnostics(lambda msg: console.print(f"[yellow]{msg}[/]"))
+        replay.report(console)
+        out: dict[str, Any] = {"steps": total, "final": dict(last), "replayed": replay.summary()}
+        if first_val:
+            out["first_val"] = first_val
+        self._end_if_stopped(total, saved)
+        return out
+
+    def _validate_start(self, view) -> dict:
+        """Step 0's validation, of the starting policy (trainer.val_before_train)."""
+        from stapoctl.tracking import mlflow_run
+
+        view.status("validating the starting policy")
+        first_val = self.validate(0)
+        mlflow_run.log_metrics(first_val, step=0)
+        view.step(0, first_val)
+        return first_val
+
+    def _steps(self, view, start_step: int, ahead: int, due: Cadence, replay: ReplayCheck) -> tuple[dict, int]:
+        """The steps after start_step, up to the total or a stop; returns the last step's metrics
+        and the last step checkpointed (start_step if none)."""
+        runner, total = self.runner, due.total
+        last: dict = {}
+        launched: dict[int, PendingRollout] = {}
+        next_launch = start_step + 1
+        t_prev = time.perf_counter()
+        if self.stop is not None:
+            self.stop.in_loop, self.stop.step = True, start_step
+        saved = start_step
+        for step in range(start_step + 1, total + 1):
+            # async: the rollouts of the next `ahead` steps generate while this step updates
+            while next_launch <= min(step + ahead, total):
+                indices = self.sampler.next_batch()
+                launched[next_launch] = runner.launch_rollout(indices, next_launch, self.sampler.state_dict())
+                next_launch += 1
+            view.status("rollout → reward → update → sync" if not ahead else
+                        f"update ‖ rollouts of the next {ahead} step(s) → sync")
+            pending = launched.pop(step)
+            batch, metrics = runner.finish(pending, wait_sync=not ahead)
+            if ahead:  # a step's wall time includes the overlapped generation
+                metrics["timing_s/step"] = time.perf_counter() - t_prev
+            t_prev = time.perf_counter()
+            self._log_step(view, step, due, batch, metrics, replay)
+            last = metrics
+            if self.stop is not None:
+                self.stop.step_done(step, metrics.get("timing_s/step", 0.0))
+            stopping = self.stop is not None and self.stop.requested is not None
+            if (due.save_freq > 0 and (step % due.save_freq == 0 or step == total)) or (stopping and step < total):
+                view.status("checkpoint")
+                runner.engines.wait_weights()
+                self.save(step, pending.sampler_state)
+                saved = step
+            if stopping and step < total:
+                break
+        return last, saved
+
+    def _log_step(self, view, step: int, due: Cadence, batch, metrics: dict, replay: ReplayCheck) -> None:
+        """Validation when due, then the step's metrics, tags, token diagnostics and view line."""
+        from stapoctl.tracking import mlflow_run
+
+        conf, runner = self.conf, self.runner
+        if runner.data.val_sets and (step % due.val_every == 0 or step == due.total):
+            view.status("validating")
+            metrics.update(self.validate(step))
+            _log_samples(conf, batch, step)
+        metrics["fault/rollout_restarts"] = float(runner.engines.rollout_restarts)
+        replay.check(step, metrics)
+        mlflow_run.log_metrics(metrics, step=step)
+        set_tags({"stapoctl.step": str(step)})
+        if due.diag_every > 0 and step % due.diag_every == 0:
+            runner.log_diagnostics(batch, step, self.run_dir)
+        view.step(step, metrics)
+
+    def _end_if_stopped(self, total: int, saved: int) -> None:
+        """A signal stopped the loop before its last step: the run ends as stopped, resumable."""
+        if self.stop is not None and self.stop.requested is not None and self.stop.step < total:
+            from stapoctl.trainer.signals import signal_name
+
+            self.stop.cleaning_up = True
+            raise self.stop.stopped(f"{signal_name(self.stop.requested)}: stopped after step {self.stop.step} "
+                                    f"(checkpoint step_{saved:06d}); resume with `stapoctl train resume={self.run_id}`")
+
+    def validate(self, step: int) -> dict:
+        """Validation through the rollout actors; re-run whole if one of them died meanwhile."""
+        from stapoctl.trainer.engines import is_rollout_loss
+
+        engines = self.runner.engines
+        for attempt in range(3):
+            try:
+                return _validate(self.conf, engines, self.runner.scorer, self.runner.data.val_sets, step)
+            except Exception as exc:
+                if not is_rollout_loss(exc) or attempt == 2:
+                    raise
+                engines.recover_rollouts()
+        return {}
+
+    def save(self, step: int, sampler_state: dict) -> Path:
+        from stapoctl.errors import RunFailed
+        from stapoctl.checkpoint import latest_step_dir
+
+        try:
+            return _save(self.runner.engines, self.run_dir, step, sampler_state, self.run_id, self.base_model,
+                         self.tokenizer_dir, self.conf)
+        except OSError as exc:
+            last = latest_step_dir(self.run_dir)
+            raise RunFailed(f"the step-{step} checkpoint could not be written to {self.run_dir} ({exc.strerror or exc}): "
+                            f"the run is FAILED; free space and resume from {last.name if last else 'the start'} with "
+                            f"`stapoctl train resume={self.run_id}`") from exc
+
+
+def _validate(conf, engines, scorer, val_sets, step: int) -> dict:
+    """Held-out problems through the rollout actors (the weights just synced), eval's metrics."""
+    from stapoctl.data.benches import select_decodings
+    from stapoctl.eval.runner import validation_metrics
+
+    t0 = time.perf_counter()
+    out: dict[str, float] = {}
+    for bench, (problems, k) in val_sets.items():
+        out.update(validation_metrics(
+            engines.workers, scorer, problems, bench=bench, decodings=select_decodings(conf.eval.decoding),
+            k=k, max_tokens=int(conf.eval.max_response_length),
+            seed=int(conf.trainer.seed) * 100_000 + 50_000 + step,
+        ))
+    out["timing_s/val"] = time.perf_counter() - t0
+    return out
+
+
+def _log_samples(conf, batch, step: int) -> None:
+    from stapoctl.tracking.metric_buffer import active
+
+    n = int(conf.trainer.log_samples or 0)
+    if n <= 0:
+        return
+    lines = []
+    for k in range(min(n, len(batch))):
+        lines.append(f"### reward {float(batch.rewards[k]):+.0f}\n{batch.texts[k]}\n")
+    buffer = active()
+    if buffer is not None:
+        buffer.log_text("\n".join(lines), f"samples/step_{step:06d}.md")
+    else:
+        import mlflow
+
+        mlflow.log_text("\n".join(lines), f"samples/step_{step:06d}.md")
+
+
+def _save(engines, run_dir: Path, step: int, sampler_state: dict, run_id: str, base_model: str, tokenizer_dir: str,
+          conf: DictConfig) -> Path:
+    import ray
+
+    from stapoctl import checkpoint
+
+    def payload(tmp: Path) -> None:
+        ray.get([h.save.remote(str(tmp), tokenizer_dir) for h in engines.learners])
+
+    state = {
+        "step": step,
+        "rollout_restarts": int(engines.rollout_restarts),
+        "sampler": sampler_state,  # as of this step's batch (async runs have sampled further ahead)
+        "rng": checkpoint.rng_state(),
+        "mlflow_run_id": run_id,
+        "run_dir": str(run_dir),
+        "base_model": base_model,
+        "saved_at": time.time(),
+        "config": OmegaConf.to_container(conf, resolve=True),
+    }
+    return checkpoint.save(run_dir, step, payload, state)
+
+
+@contextlib.contextmanager
+def learner_faults(engines, run_id: str, run_dir: Path):
+    """A dead learner rank ends the run with one line: which rank, why, and how to resume."""
+    try:
+        yield
+    except Exception as exc:
+        rank = engines.learner_rank_of(exc)
+        if rank is None:
+            raise
+        from stapoctl.errors import RunFailed
+        from stapoctl.checkpoint import latest_step_dir
+        from stapoctl.launch.actor_errors import describe_actor_death
+
+        last = latest_step_dir(run_dir)
+        where = f"from {last.name}" if last else "from the start (no checkpoint yet)"
+        raise RunFailed(f"learner rank {rank} died ({describe_actor_death(exc)}): the run is FAILED; resume "
+                        f"{where} with `stapoctl train resume={run_id}`") from exc
