@@ -48,7 +48,7 @@ def test_zero_staleness_is_the_synchronous_loop_exactly(runs):
 def test_one_step_off_policy_trains_on_stale_batches_with_the_is_correction(runs):
     uri, run = runs["uri"], runs["async1"]
     assert history(uri, run, "async/staleness") == {1: 0.0, 2: 1.0, 3: 1.0}
-    weights = history(uri, run, "async/is_weight_mean")
+    weights = history(uri, run, "rollout_corr/weight_mean")  # was async/is_weight_mean
     assert set(weights) == {2, 3}, "the correction applies to stale batches only"
     assert all(0.0 < w <= 2.0 for w in weights.values())
     # step 1 is the synchronous run's; from step 2 vLLM sampled with weights one update behind the

@@ -47,6 +47,18 @@ ROWS = [
     ("nccl_on_cpu", ["train", "rollout.weight_sync=nccl"], "rollout.weight_sync=nccl needs GPUs"),
     ("not_a_number", ["train", "trainer.total_steps=abc"], "trainer.total_steps=abc"),
     ("typo_key", ["train", "loss.tau_q=1"], "unknown config key 'loss.tau_q'; did you mean 'loss.tau_p'?"),
+    # Hydra's append form adds any key silently: a `+` key must name a field (or a new key of a map field)
+    ("appended_typo_key", ["train", "+trainer.total_stepz=5"],
+     "unknown config key 'trainer.total_stepz'; did you mean 'trainer.total_steps'?"),
+    ("force_appended_typo_key", ["train", "++trainer.total_stepz=5"],
+     "unknown config key 'trainer.total_stepz'; did you mean 'trainer.total_steps'?"),
+    ("appended_loss_typo", ["train", "loss=tr_grpo", "+loss.kl_coeff=0.001"],
+     "unknown config key 'loss.kl_coeff'; did you mean 'loss.kl_coef'?"),
+    ("appended_field_of_another_loss", ["train", "+loss.tau_mode=divide"],
+     "unknown config key 'loss.tau_mode': loss=stapo has no such field (it is a field of loss=tr_grpo)"),
+    ("appended_top_level_key", ["train", "+x=1"], "unknown config key 'x'"),
+    ("overlong_buffer_over_budget", ["train", "reward.overlong_buffer=48"],
+     "reward.overlong_buffer=48 must be below rollout.max_response_length=48"),
     ("eval_decoding", ["train", "eval.decoding=greedy"], "eval.decoding=greedy must be train, justrl or both"),
     # a placement that cannot fit: fails at once, naming needed vs available and the fixes
     ("cpus_do_not_fit", ["train", "cluster.num_cpus=2", "rollout.num_workers=2"],

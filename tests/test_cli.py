@@ -87,7 +87,7 @@ def test_paper_experiment_carries_table6_recipe():
 
 
 @pytest.mark.parametrize(
-    "method", ["grpo", "entropy20", "justrl", "stapo"]
+    "method", ["grpo", "entropy20", "justrl", "stapo", "dapo"]
 )
 @pytest.mark.parametrize("size,model_id", [("1.7b", "Qwen/Qwen3-1.7B-Base"), ("14b", "Qwen/Qwen3-14B-Base")])
 def test_every_paper_experiment_resolves(method, size, model_id):
@@ -95,6 +95,30 @@ def test_every_paper_experiment_resolves(method, size, model_id):
 
     cfg = compose_config([f"experiment={method}_qwen3_{size}"])
     assert cfg.loss.name == method and cfg.model.path == model_id
+
+
+@pytest.mark.parametrize("size", ["1.7b", "8b", "14b"])
+def test_dapo_experiments_carry_dapos_recipe(size):
+    """DAPO (arXiv 2503.14476): clip-higher + token-mean, dynamic sampling, 16384 + 4096 = 20480
+    response tokens with the soft overlong punishment; the rest is Table 6 like the STAPO rows."""
+    from stapoctl.config.compose import compose_config
+
+    cfg = compose_config([f"experiment=dapo_qwen3_{size}"])
+    assert cfg.loss.name == "dapo" and cfg.loss.loss_agg_mode == "token-mean"
+    assert (cfg.loss.clip_ratio_low, cfg.loss.clip_ratio_high) == pytest.approx((0.2, 0.28))
+    assert cfg.rollout.max_response_length == 20480 and cfg.reward.overlong_buffer == 4096
+    assert cfg.reward.overlong_penalty == 1.0 and cfg.reward.overlong_filter is False
+    assert cfg.trainer.dynamic_sampling is True
+    assert cfg.data.train_batch_size == 256 and cfg.rollout.n == 8 and cfg.learner.lr == pytest.approx(1e-6)
+
+
+def test_tiny_dapo_is_the_tiny_default_with_dapos_recipe():
+    from stapoctl.config.compose import compose_config
+
+    cfg, tiny = compose_config(["experiment=tiny_dapo"]), compose_config([])
+    assert cfg.experiment == "tiny_dapo" and cfg.loss.name == "dapo" and cfg.trainer.dynamic_sampling is True
+    assert cfg.reward.overlong_buffer == 16 and cfg.rollout.max_response_length == 48
+    assert cfg.model == tiny.model and cfg.data == tiny.data and cfg.learner == tiny.learner
 
 
 def test_model_override_accepts_an_hf_id():
@@ -113,6 +137,8 @@ def test_model_override_accepts_an_hf_id():
         ("experiment=stapo_qwen3_9b", "did you mean 'stapo_qwen3_8b'?"),
         ("learner.zero_stage=7", "learner.zero_stage=7 must be 0, 1, 2 or 3"),
         ("trainer.total_steps=abc", "trainer.total_steps=abc"),
+        ("+trainer.total_stepz=5", "unknown config key 'trainer.total_stepz'; did you mean 'trainer.total_steps'?"),
+        ("reward.overlong_buffer=64", "reward.overlong_buffer=64 must be below rollout.max_response_length=48"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_key_and_the_fix(override, expected):
@@ -122,6 +148,20 @@ def test_bad_input_is_one_line_naming_the_key_and_the_fix(override, expected):
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, res.stderr
     assert lines[0].startswith("error:") and expected in lines[0]
+
+
+def test_appended_keys_that_name_a_field_or_a_map_entry_are_kept():
+    """`+` is refused only where it names no field: map fields take new keys, a `+` on a declared
+    field (of the schema or of the selected loss) is a plain override."""
+    from stapoctl.config.compose import compose_config
+
+    cfg = compose_config(["+rollout.resources.rollout_node=1", "+learner.resources.learner_node=1",
+                          "+tracking.tags.team=rl", "++tracking.tags.group=a", "+trainer.total_steps=5",
+                          "++trainer.save_freq=3", "loss=tr_grpo", "+loss.tau_mode=divide", "+loss.kl_coef=0.001"])
+    assert dict(cfg.rollout.resources) == {"rollout_node": 1.0} and dict(cfg.learner.resources) == {"learner_node": 1.0}
+    assert dict(cfg.tracking.tags) == {"team": "rl", "group": "a"}
+    assert cfg.trainer.total_steps == 5 and cfg.trainer.save_freq == 3
+    assert cfg.loss.tau_mode == "divide" and cfg.loss.kl_coef == pytest.approx(0.001)
 
 
 def test_submit_without_a_cluster_points_at_train():

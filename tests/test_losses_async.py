@@ -39,9 +39,10 @@ def test_truncated_is_weight_by_hand():
     assert float(loss) == pytest.approx(-5 / 3, abs=1e-6)
     loss.backward()
     assert torch.allclose(x["log_prob"].grad, torch.tensor([[-2 / 3, -1 / 3, -2 / 3]]), atol=1e-6)
-    assert m["async/is_weight_mean"] == pytest.approx(5 / 3, abs=1e-6)
-    assert m["async/is_weight_max"] == pytest.approx(2.0)
-    assert m["async/is_truncated_frac"] == pytest.approx(2 / 3, abs=1e-6)
+    # the metrics were async/is_weight_mean, async/is_weight_max, async/is_truncated_frac
+    assert m["rollout_corr/weight_mean"] == pytest.approx(5 / 3, abs=1e-6)
+    assert m["rollout_corr/ratio_max"] == pytest.approx(5.0, abs=1e-5)  # the raw ratio, before the cap
+    assert m["rollout_corr/masked_frac"] == pytest.approx(1 / 3, abs=1e-6)  # only the 5 was cut (2 is the cap)
 
 
 def test_the_cap_is_configurable():
@@ -51,13 +52,13 @@ def test_the_cap_is_configurable():
 
 @pytest.mark.parametrize("name", ["grpo", "dapo", "stapo", "entropy20", "wapo", "tr_grpo"])
 def test_without_behavior_log_probs_nothing_changes(name):
-    """The synchronous path is exactly the old one: no weight, no async/* metrics."""
+    """The synchronous path is exactly the old one: no weight, no rollout_corr/* metrics."""
     extra = {"group_ids": torch.tensor([0])} if name == "wapo" else {}
     loss, m = compute_policy_loss(name, **inputs(), **extra, **cfg(name))
     same, _ = compute_policy_loss(name, **inputs(), **extra, behavior_log_prob=torch.full((1, 3), LOG_HALF),
                                   **cfg(name))
     assert float(loss) == float(same)  # π_behav = π_old: w ≡ 1 exactly
-    assert not any(k.startswith("async/") for k in m)
+    assert not any(k.startswith(("async/", "rollout_corr/")) for k in m)
 
 
 def test_stapo_mask_uses_the_current_policy_not_the_behaviour_one():

@@ -58,7 +58,7 @@ def test_sum_of_microbatches_equals_minibatch(name):
     torch.testing.assert_close(acc_grad, grad, atol=1e-7, rtol=0)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_every_aggregation_mode_accumulates_exactly(mode):
     loss, grad = _one_shot("stapo", loss_agg_mode=mode)
     acc, acc_grad, _ = _accumulated("stapo", loss_agg_mode=mode)

@@ -7,6 +7,8 @@ trial's overrides compose to the config it is meant to be.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from stapoctl.errors import UserError
@@ -26,9 +28,12 @@ def test_the_issue_sweeps_are_defined():
     assert ablation.key == baselines.key == "loss"
     assert ablation.values == ("grpo", "stapo_prob_only", "stapo_high_entropy", "stapo")
     assert baselines.values == ("grpo", "entropy20", "justrl", "stapo", "wapo", "tr_grpo", "ppl_shaping",
-                                "position_shaping")
-    for value in ablation.values + baselines.values:
+                                "position_shaping", "dapo_full")
+    for value in ablation.values + baselines.values[:-1]:
         assert value in LOSSES, value
+    # DAPO's full recipe: a label whose own overrides pick the loss
+    assert baselines.overrides_of("dapo_full") == ("loss=dapo", "trainer.dynamic_sampling=true",
+                                                   "reward.overlong_buffer=16")
 
 
 def test_command_line_replaces_lists_and_passes_the_rest_to_every_trial():
@@ -132,3 +137,74 @@ def test_the_command_line_reports_a_typo_in_one_line():
     res = subprocess.run([sys.executable, "-m", "stapoctl.cli", "sweep", "tau_p", "--dry-run", "cluster=slurm"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0 and "would go out as one SLURM job array; nothing was submitted" in res.stdout
+
+
+# -- per-value overrides: {value: NAME, set: [key=value, …]} ------------------------------------------
+def test_a_value_carries_overrides_only_its_trials_get():
+    d = load_definition("baselines")
+    trials = {t.value: t for t in plan_trials(replace(d.with_values(("grpo", "dapo_full")), seeds=(0,)), "s")}
+    full, grpo = trials["dapo_full"], trials["grpo"]
+    assert full.run_name == "dapo_full-seed0" and full.tags[layout.SWEEP_VALUE] == "dapo_full"
+    assert "loss=dapo_full" not in full.overrides  # the set names the swept key: the value is a label
+    assert full.overrides[1:4] == ("loss=dapo", "trainer.dynamic_sampling=true", "reward.overlong_buffer=16")
+    assert not any(o.startswith(("trainer.dynamic_sampling", "reward.")) for o in grpo.overrides)
+    conf = compose_trial(full)
+    assert conf.loss.name == "dapo" and conf.trainer.dynamic_sampling is True and conf.reward.overlong_buffer == 16
+    plain = compose_trial(grpo)
+    assert plain.loss.name == "grpo" and plain.trainer.dynamic_sampling is False and plain.reward.overlong_buffer == 0
+
+
+def test_a_values_own_override_wins_over_the_sweeps(tmp_path, monkeypatch):
+    monkeypatch.setenv("STAPOCTL_SWEEPS", str(tmp_path))
+    (tmp_path / "v.yaml").write_text(
+        "key: loss.tau_p\nseeds: [0]\noverrides: [reward.overlong_buffer=4, trainer.total_steps=5]\n"
+        "values: [2e-3, {value: 2e-1, set: [reward.overlong_buffer=8]}]\n")
+    d = parse_command("v", ["eval.every_n_steps=5"]).definition
+    first, second = plan_trials(d, "s")
+    assert first.overrides[1:5] == ("reward.overlong_buffer=4", "trainer.total_steps=5", "eval.every_n_steps=5",
+                                    "loss.tau_p=2e-3")
+    assert second.overrides[1:5] == ("trainer.total_steps=5", "eval.every_n_steps=5", "loss.tau_p=2e-1",
+                                     "reward.overlong_buffer=8")
+    assert compose_trial(second).reward.overlong_buffer == 8 and compose_trial(first).reward.overlong_buffer == 4
+    # values=[…] on the command line: a value the file gives overrides keeps them, the others' are dropped
+    assert parse_command("v", ["values=[2e-1]"]).definition.value_overrides == (("2e-1", ("reward.overlong_buffer=8",)),)
+    assert parse_command("v", ["values=[2e-3]"]).definition.value_overrides == ()
+    # the parent run's sweep.yaml reads back to the same definition
+    assert SweepDefinition.from_yaml(d.to_yaml(), d.name, "x") == d
+
+
+def test_dry_run_shows_a_values_own_overrides():
+    from rich.console import Console
+
+    from stapoctl.sweep.runner import sweep_command
+
+    console = Console(width=400, record=True)
+    assert sweep_command("baselines", ["values=[stapo,dapo_full]", "seeds=[0]"], console, dry_run=True) == 0
+    text = console.export_text()
+    assert "dapo_full-seed0" in text and "loss=dapo trainer.dynamic_sampling=true reward.overlong_buffer=16" in text
+
+
+@pytest.mark.parametrize("values, message", [
+    ("[{value: x, sett: [a.b=1]}]", "unknown field 'sett' in a value entry; did you mean 'set'?"),
+    ("[{set: [loss=dapo]}]", "a value entry needs value: NAME"),
+    ("[{value: x, set: [loss]}]", "the set of value 'x' must be a list of key=value Hydra overrides"),
+    ("[{value: x, set: loss=dapo}]", "the set of value 'x' must be a list of key=value Hydra overrides"),
+    ("[{value: x, set: [trainer.seed=3]}]", "value 'x' sets trainer.seed, which the sweep sets for every trial"),
+    ("[{value: x, set: [experiment=tiny_dapo]}]", "value 'x' sets experiment"),
+    ("[{value: x, set: [a.b=1, a.b=2]}]", "value 'x' sets a.b twice"),
+    ("[grpo, {value: grpo, set: [loss=dapo]}]", "'grpo' appears twice"),
+    ("[[grpo]]", "expected a flat list"),
+])
+def test_bad_value_entries_are_refused_in_one_line(values, message, tmp_path, monkeypatch):
+    monkeypatch.setenv("STAPOCTL_SWEEPS", str(tmp_path))
+    (tmp_path / "bad.yaml").write_text(f"key: loss\nvalues: {values}\n")
+    with pytest.raises(UserError) as err:
+        load_definition("bad")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_check_plan_names_a_typo_in_a_values_own_overrides():
+    d = SweepDefinition(name="x", key="loss", values=("grpo", "full"),
+                        value_overrides=(("full", ("loss=dapo", "reward.overlong_bufer=8")),))
+    with pytest.raises(UserError, match=r"unknown config key 'reward.overlong_bufer'; did you mean 'reward.overlong_buffer'"):
+        check_plan(d)

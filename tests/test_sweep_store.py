@@ -62,6 +62,13 @@ def test_parent_layout_and_lookup(uri):
     assert store.recorded_definition(found, uri) == d
     with pytest.raises(UserError, match="no sweep with that id"):
         store.find_parent("zz", uri, "stapoctl")
+    # a value's own overrides: one param each, and they come back with the recorded definition
+    full = parse_command("baselines", ["values=[grpo,dapo_full]", "seeds=[0]"]).definition
+    full_id = store.open_parent(full, uri, "stapoctl")
+    run = store.client(uri).get_run(full_id)
+    assert run.data.params[layout.P_VALUE_OVERRIDES_PREFIX + "dapo_full"] == (
+        "loss=dapo trainer.dynamic_sampling=true reward.overlong_buffer=16")
+    assert store.recorded_definition(run, uri) == full
     with pytest.raises(UserError, match="no MLflow experiment 'other'"):
         store.find_parent(sweep_id, uri, "other")
     store.end_parent(sweep_id, uri, "FAILED", "1 of 2 trials failed")

@@ -2,7 +2,10 @@
 
 We call Hydra's compose API rather than `@hydra.main` so the CLI (Typer) owns argument
 parsing and errors stay one line. `experiment=NAME` picks the primary config file in
-`experiments/`; every other override is plain Hydra (`loss=grpo`, `loss.tau_p=2e-3`, `+x=1`).
+`experiments/`; every other override is plain Hydra (`loss=grpo`, `loss.tau_p=2e-3`,
+`+rollout.resources.X=1`). Hydra's append form `+key=value` (and `++`) would add any key silently, so
+a typo in it trained with the default: here a `+` key must name a field of the schema (or of the
+selected loss) or a new key of a map field, and `+` on a declared field is a plain override.
 """
 
 from __future__ import annotations
@@ -33,7 +36,23 @@ HF_MODELS = {
 }
 
 _registered = False
-DICT_FIELDS = ("rollout.resources", "learner.resources")
+
+
+def _map_fields(node: Any = S.StapoctlConfig, prefix: str = "") -> tuple[str, ...]:
+    """Dotted names of the schema's map fields (`Dict[...]`): their keys are the user's to add."""
+    out: list[str] = []
+    for f in fields(node):
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if not prefix and f.name in S.GROUP_SCHEMAS:
+            default = S.GROUP_SCHEMAS[f.name]()
+        if isinstance(default, dict):
+            out.append(prefix + f.name)
+        elif is_dataclass(default):
+            out.extend(_map_fields(default, f"{prefix}{f.name}."))
+    return tuple(out)
+
+
+DICT_FIELDS = _map_fields()  # rollout.resources, learner.resources, tracking.tags
 
 
 def register_configs() -> None:
@@ -120,9 +139,50 @@ def _rewrite(overrides: list[str]) -> tuple[str, list[str]]:
             rest.append(f"model.path={value}")
             rest.append(f"model.name={value.rstrip('/').split('/')[-1]}")
             rest.append("model.dtype=bfloat16" if "/" in value and not value.startswith((".", "/")) else "model.dtype=float32")
+        elif key.startswith("+") and not key.startswith("++") and key[1:] in _declared_keys():
+            rest.append(item[1:])  # Hydra refuses to append an existing key: set it
         else:
             rest.append(item)
     return experiment, rest
+
+
+def _declared_keys() -> set[str]:
+    """Dotted keys declared by the schema or by any registered loss's config."""
+    from stapoctl.config.losses import LOSS_CONFIGS
+
+    keys = {k for k in _valid_keys(S.StapoctlConfig) if "." in k}
+    return keys | {f"loss.{k}" for cls in LOSS_CONFIGS.values() for k in _valid_keys(cls)}
+
+
+def _unknown_key(bad: str, valid: Iterable[str], loss_cls: type | None) -> ConfigError:
+    """'unknown config key' with the nearest valid one; a field of other losses says which have it."""
+    from stapoctl.config.losses import LOSS_CONFIGS
+
+    if bad.startswith("loss.") and loss_cls is not None:
+        owners = [n for n, c in LOSS_CONFIGS.items() if bad[5:] in {f.name for f in fields(c)}]
+        if owners:
+            name = next(f.default for f in fields(loss_cls) if f.name == "name")
+            return ConfigError(f"unknown config key '{bad}': loss={name} has no such field "
+                               f"(it is a field of loss={'|'.join(owners)})")
+    near = _closest(bad, sorted(set(valid)))
+    hint = f"; did you mean '{near}'?" if near else ""
+    return ConfigError(f"unknown config key '{bad}'{hint}")
+
+
+def _refuse_unknown_appends(cfg: DictConfig, overrides: list[str]) -> None:
+    """`+key=value` / `++key=value` naming no field: Hydra added it and nothing reads it (a
+    `+trainer.total_stepz=5` trained the default 60 steps), so it is refused like a typo. Allowed:
+    the fields of the schema and of the selected loss, and new keys of a map field (DICT_FIELDS)."""
+    from stapoctl.config.losses import LOSS_CONFIGS
+
+    appended = [o.partition("=")[0].lstrip("+") for o in overrides if o.startswith("+")]
+    if not appended:
+        return
+    loss_cls = LOSS_CONFIGS.get(str(cfg.loss.get("name", "")))
+    valid = _valid_keys(S.StapoctlConfig) + (["loss." + k for k in _valid_keys(loss_cls)] if loss_cls else [])
+    for key in appended:
+        if key not in valid and not any(key.startswith(m + ".") for m in DICT_FIELDS):
+            raise _unknown_key(key, valid, loss_cls)
 
 
 def _loss_schema(experiment: str, overrides: list[str], bad_key: str) -> type:
@@ -176,9 +236,7 @@ def _explain(exc: Exception, experiment: str, overrides: list[str]) -> ConfigErr
         if parent in DICT_FIELDS:  # a map of user keys (e.g. custom Ray resources): new keys need '+'
             value = next(o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+~") == bad)
             return ConfigError(f"'{bad}' adds a key to the map {parent}: write +{bad}={value}")
-        near = _closest(bad, sorted(set(valid)))
-        hint = f"; did you mean '{near}'?" if near else ""
-        return ConfigError(f"unknown config key '{bad}'{hint}")
+        return _unknown_key(bad, valid, _loss_schema(experiment, overrides, bad))
     cause = exc.__cause__ or exc.__context__
     detail = str(cause).strip().splitlines()[0] if cause and str(cause).strip() else ""
     first = msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
@@ -200,8 +258,22 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
     OmegaConf.set_struct(cfg, False)
     cfg.experiment = experiment
     OmegaConf.set_struct(cfg, True)
+    _refuse_unknown_appends(cfg, rest)
+    _renamed_keys(cfg)
     validate(cfg)
     return cfg
+
+
+def _renamed_keys(cfg: DictConfig) -> None:
+    """Keys that moved keep working for one more release, with a one-line notice on stderr."""
+    cap = cfg.trainer.get("is_cap")
+    if cap is not None and "rollout_is_cap" in cfg.loss:
+        import sys
+
+        cfg.loss.rollout_is_cap = cap
+        cfg.trainer.is_cap = None
+        print(f"stapoctl: trainer.is_cap is now loss.rollout_is_cap (using loss.rollout_is_cap={cap})",
+              file=sys.stderr)
 
 
 def validate(cfg: DictConfig) -> None:

@@ -18,14 +18,17 @@ registry key as default.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from stapoctl.config.fields import problems, spec
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGG_HELP = "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (Dr. GRPO: / T_max)"
 STD_MODES = ("population", "unbiased")
 ADV_ESTIMATORS = ("grpo", "dr_grpo")
 QUANTILE_MODES = ("linear", "lower", "higher", "midpoint")
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "tr_weighted")  # tr_weighted: TR-GRPO's own 004 Eq. 11 form
+ROLLOUT_CORRECTIONS = ("auto", "off", "token_tis", "seq_tis", "token_mask", "seq_mask")
 
 # value sets of method-specific fields (the tensor code checks them again where it branches)
 REL_POS_MODES = ("closed", "spec")  # position_shaping: l_t = t/(|o|-1) or (t+1)/|o|
@@ -74,7 +77,40 @@ class AdvantageFields:
 
 
 @dataclass
-class DiagnosticFields(AdvantageFields):
+class RegularizerFields(AdvantageFields):
+    """verl/OpenRLHF-parity terms every loss takes: KL to a reference, entropy bonus, and the
+    rollout-training mismatch correction (losses/kl.py, losses/regularizers.py,
+    losses/rollout_correction.py)."""
+
+    # the kl_estimator only this config may use (TR-GRPO sets its 004 weighted form)
+    OWN_KL_ESTIMATOR: ClassVar[Optional[str]] = None
+    # aggregation of the KL and entropy terms; None = the loss's own loss_agg_mode
+    REGULARIZER_AGG: ClassVar[Optional[str]] = None
+
+    kl_coef: float = _f(0.0, "beta of + beta*agg(KL(pi || pi_ref)) (verl kl_loss_coef); > 0 needs ref_log_prob",
+                        range="[0, inf)")
+    kl_estimator: str = _f("k3", "per-token KL estimate: k1 | k2 | k3 (verl low_var_kl, unclamped) | abs",
+                           choices=KL_ESTIMATORS)
+    entropy_coef: float = _f(0.0, "c of - c*agg(H) (verl entropy_coeff); its gradient needs "
+                             "token_stats(entropy_grad=True)", range="[0, inf)")
+    rollout_correction: str = _f(
+        "auto",
+        "weight for behaviour (rollout engine) != old policy, given behavior_log_prob: auto (token_tis) | off | "
+        "token_tis | seq_tis | token_mask (IcePop) | seq_mask",
+        choices=ROLLOUT_CORRECTIONS,
+    )
+    rollout_is_cap: float = _f(2.0, "C: TIS truncation min(ratio, C); masks keep ratios in [1/C, C]",
+                               range="[1, inf)", why="C < 1 would cut every ratio below 1")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.kl_estimator == "tr_weighted" and self.OWN_KL_ESTIMATOR != "tr_weighted":
+            raise ValueError(f"{self.name}: kl_estimator=tr_weighted is TR-GRPO's own weighted form (004 Eq. 11): "
+                             "use k1, k2, k3 or abs")
+
+
+@dataclass
+class DiagnosticFields(RegularizerFields):
     """S2T thresholds: applied by the STAPO family, only measured (metrics) by the others."""
 
     tau_p: float = _f(2e-3, "S2T absolute probability threshold: candidate iff pi(y_t) < tau_p (000 Remark 3.5)",
@@ -112,7 +148,7 @@ class ClipFields(DiagnosticFields):
 class AggFields(ClipFields):
     """How token terms become one scalar."""
 
-    loss_agg_mode: str = _f("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum", choices=AGG_MODES)
+    loss_agg_mode: str = _f("token-mean", AGG_HELP, choices=AGG_MODES)
     per_microbatch_norm: bool = _f(
         False,
         "normalise by the micro-batch's own count (verl's biased behaviour; the learner then "
@@ -130,7 +166,7 @@ class GRPOConfig(AggFields):
     name: str = _f("grpo", "registry key of the loss (loss=NAME)")
     clip_ratio_low: float = _f(0.2, "epsilon_low: ratio floor 1 - clip_ratio_low")
     clip_ratio_high: float = _f(0.2, "epsilon_high: ratio ceiling 1 + clip_ratio_high")
-    loss_agg_mode: str = _f("seq-mean-token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum")
+    loss_agg_mode: str = _f("seq-mean-token-mean", AGG_HELP)
 
 
 @dataclass
@@ -150,6 +186,9 @@ class JustRLConfig(DAPOConfig):
 @dataclass
 class STAPOConfig(AggFields):
     """STAPO: DAPO + S2T mask, loss renormalised by the count of unmasked tokens."""
+
+    # the KL and entropy terms are never silenced: token-mean over every response token
+    REGULARIZER_AGG: ClassVar[Optional[str]] = "token-mean"
 
     name: str = _f("stapo", "registry key of the loss (loss=NAME)")
     renormalize: bool = _f(True, "divide by sum_t I_t (000 Eq. 1) rather than by |M|")
@@ -186,6 +225,8 @@ class Entropy20Config(AggFields):
 class WAPOConfig(ClipFields):
     """WAPO: only A+ terms, 1/(G*T_max) per prompt, prompts without a winner contribute nothing."""
 
+    REGULARIZER_AGG: ClassVar[Optional[str]] = "token-mean"  # WAPO has no loss_agg_mode
+
     name: str = _f("wapo", "registry key of the loss (loss=NAME)")
     winner_norm: str = _f("group", "per-prompt divisor: group (G, 002 default) | winners (G*r_bar variant)",
                           choices=WINNER_NORMS)
@@ -205,8 +246,11 @@ class TRGRPOConfig(AggFields):
     tau: float = _f(9.0, "tau of the sigmoid argument (004 sweep: 0.5, 2, 7, 9, 10, 20)", range="(0, inf)")
     tau_mode: str = _f("multiply", "z = tau*pi (multiply, SPEC reading) | pi/tau (divide, as printed: w = 1)",
                        choices=TAU_MODES)
-    kl_coef: float = _f(0.0, "beta of the weighted KL term to pi_ref (004 used 0.001); needs ref_log_prob",
-                        range="[0, inf)")
+    OWN_KL_ESTIMATOR: ClassVar[Optional[str]] = "tr_weighted"
+
+    kl_coef: float = _f(0.0, "beta of the KL term to pi_ref (004 used 0.001); needs ref_log_prob")
+    kl_estimator: str = _f("tr_weighted", "tr_weighted (004 Eq. 11: x - log x - 1, x = w*pi_ref/pi, added to "
+                           "the token loss) | k1 | k2 | k3 | abs")
 
     def validate(self) -> None:
         super().validate()

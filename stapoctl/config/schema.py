@@ -179,6 +179,12 @@ class RewardConfig:
     model_verifier_dtype: str = "auto"
     model_verifier_cpus: float = 1.0
     model_verifier_gpus: float = 0.0
+    # DAPO's soft overlong punishment (reward/overlong.py): the last overlong_buffer tokens before
+    # rollout.max_response_length ramp a penalty from 0 to -overlong_penalty (0 = off)
+    overlong_buffer: int = spec(0, range=NON_NEGATIVE)  # tokens
+    overlong_penalty: float = spec(1.0, range=NON_NEGATIVE)  # the factor: the penalty at the budget
+    # DAPO's overlong filtering: truncated responses (hit rollout.max_response_length) leave the loss
+    overlong_filter: bool = False
 
 
 @dataclass
@@ -266,15 +272,25 @@ class TrainerConfig:
     log_samples: int = 4  # responses saved as an MLflow text artifact at each validation
     # sync: rollout → update → sync, one phase at a time. async: the rollouts of the next
     # max_staleness steps are generated while the learner updates (verl's one-step off-policy
-    # at 1); stale batches get the decoupled-PPO importance weight min(π_old/π_behav, is_cap).
+    # at 1); stale batches get the truncated importance weight min(π_old/π_behav, C) of
+    # loss.rollout_correction=auto, C = loss.rollout_is_cap.
     mode: str = spec("sync", choices=("sync", "async"))
     max_staleness: int = spec(1, range=NON_NEGATIVE, why="0 = synchronous")
-    is_cap: float = spec(2.0, range="[1, inf)", why="the truncation of the importance weight")
+    # renamed loss.rollout_is_cap; a value given here is moved there with a one-line notice
+    is_cap: Optional[float] = spec(None, range="[1, inf)", why="the truncation of the importance weight")
     # 000 §3 token diagnostics (categories, prob–entropy histogram, spurious tokens) as MLflow
     # artifacts diagnostics/step_NNNNNN/ every N steps; 0 = off
     diagnostics_every: int = 20
     # refuse to start when the output dir's disk has less free space (checkpoints need room)
     min_free_gb: float = spec(1.0, range=NON_NEGATIVE)
+    # DAPO dynamic sampling (trainer/dynamic_sampling.py): drop every prompt group whose n values
+    # of dynamic_sampling_metric are all equal (acc: the rule verdicts; score: the final rewards,
+    # shaping included) and generate rounds of data.train_batch_size new prompts until a batch is full
+    dynamic_sampling: bool = False
+    dynamic_sampling_metric: str = spec("acc", choices=("acc", "score"))
+    # rounds per step at most (0 = no limit); then the step trains on the largest multiple of
+    # learner.ppo_mini_batch_size groups it kept (none: no update), where verl stops the run
+    max_gen_batches: int = spec(10, range=NON_NEGATIVE, why="0 = no limit")
 
 
 @dataclass

@@ -94,6 +94,14 @@ def _check_cross_fields(conf: DictConfig) -> None:
                         "objective's proximal policy is the learner's own, vLLM's log-probs are the stale one's")
     if str(r.weight_sync) in ("nccl", "ipc") and not asks_gpus(conf):
         raise UserError(f"rollout.weight_sync={r.weight_sync} needs GPUs; on CPU use auto or object_store")
+    if t.get("dynamic_sampling") and float(r.temperature) == 0:
+        raise UserError("trainer.dynamic_sampling=true needs rollout.temperature > 0: greedy decoding makes the n "
+                        "responses of a prompt identical, so every group would be dropped")
+    buffer = int(conf.reward.get("overlong_buffer") or 0)
+    if buffer and buffer >= int(r.max_response_length):
+        raise UserError(f"reward.overlong_buffer={buffer} must be below rollout.max_response_length="
+                        f"{r.max_response_length} (the penalty ramps over the last buffer tokens of the budget): "
+                        "lower reward.overlong_buffer or raise rollout.max_response_length")
     if not conf.model.path:  # the embedded model: its context is in the config
         check_context(conf, int(conf.model.tiny.max_position_embeddings), "model.tiny.max_position_embeddings")
 

@@ -20,13 +20,55 @@ LABELS = {"rollout": "rollout (vLLM)", "learner": "learner (DeepSpeed)", "coloca
 def _notes(conf: DictConfig) -> dict[str, str]:
     r, lr = conf.rollout, conf.learner
     on_gpu = float(lr.gpus_per_rank or 0) > 0
+    learner = (f"DeepSpeed ZeRO-{lr.zero_stage}, {'GPU (nccl)' if on_gpu else 'CPU (gloo)'}, lr={lr.lr}, "
+               f"mini-batch={lr.ppo_mini_batch_size} prompts, micro={lr.micro_batch_size}")
+    if float(conf.loss.get("kl_coef") or 0) > 0:
+        learner += "; " + reference_note(conf)
     return {
         "rollout": f"vLLM TP={r.tensor_parallel_size}, n={r.n}, T={r.temperature}, top-p={r.top_p}, "
                    f"max_tokens={r.max_response_length}",
-        "learner": f"DeepSpeed ZeRO-{lr.zero_stage}, {'GPU (nccl)' if on_gpu else 'CPU (gloo)'}, lr={lr.lr}, "
-                   f"mini-batch={lr.ppo_mini_batch_size} prompts, micro={lr.micro_batch_size}",
+        "learner": learner,
         "colocated": "learner rank + vLLM worker sharing one GPU (learner.placement=colocated)",
     }
+
+
+def decoder_params(shape: dict) -> int:
+    """Parameters of a Qwen3-style decoder from its config.json fields (attention with q/k norms,
+    SwiGLU MLP, RMSNorms; the LM head counted unless tied to the embeddings)."""
+    h, inter, layers = int(shape["hidden_size"]), int(shape["intermediate_size"]), int(shape["num_hidden_layers"])
+    heads, kv = int(shape["num_attention_heads"]), int(shape.get("num_key_value_heads") or shape["num_attention_heads"])
+    hd = int(shape.get("head_dim") or h // heads)
+    vocab = int(shape["vocab_size"])
+    per_layer = h * hd * (2 * heads + 2 * kv) + 3 * h * inter + 2 * h + 2 * hd
+    head = 0 if shape.get("tie_word_embeddings", True) else vocab * h
+    return vocab * h + layers * per_layer + h + head
+
+
+def _model_shape(conf: DictConfig):
+    """config.json's fields of the run's model: the tiny model's from its config, a local dir's
+    from its file; None for a hub id (known once downloaded)."""
+    import json
+    from pathlib import Path
+
+    if not conf.model.path:
+        t = conf.model.tiny
+        return {"hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+                "num_hidden_layers": t.num_layers, "num_attention_heads": t.num_heads,
+                "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim, "vocab_size": t.vocab_size}
+    path = Path(str(conf.model.path)).expanduser() / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def reference_note(conf: DictConfig) -> str:
+    """Where the KL term's frozen reference lives and what it costs (see learner/reference.py)."""
+    shape = _model_shape(conf)
+    nbytes = 2 if str(conf.model.dtype) in ("bfloat16", "bf16") else 4
+    size = "the model's weights"
+    if shape:
+        gib = decoder_params(shape) * nbytes / 2**30
+        size = f"{gib:.3g} GiB" if gib >= 1 else f"{gib * 1024:.3g} MiB"
+    return (f"+ frozen reference policy (loss.kl_coef={conf.loss.kl_coef}) on each rank: {size} "
+            f"({conf.model.dtype}), no gradients or optimizer states")
 
 
 def print_plan(conf: DictConfig, console: Console) -> None:

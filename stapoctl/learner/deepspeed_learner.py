@@ -13,10 +13,11 @@ from typing import Any, Optional
 
 from stapoctl.learner.engine_setup import EngineSetup, extensions_dir, uses_cuda
 from stapoctl.learner.ppo_step import PPOStep
+from stapoctl.learner.reference import ReferencePolicy
 from stapoctl.learner.state_io import StateIO
 
 
-class Learner(EngineSetup, PPOStep, StateIO):
+class Learner(EngineSetup, PPOStep, ReferencePolicy, StateIO):
     """One data-parallel rank. Every rank receives every call (the driver fans them out)."""
 
     def __init__(self, rank: int = 0, world_size: int = 1):
@@ -53,6 +54,7 @@ def make_learner_group(
     dtype: str,
     seed: int,
     max_response_length: Optional[int] = None,
+    reference_path: Optional[str] = None,
     placement: Any = None,
     wait: bool = True,
 ) -> tuple[list, Any]:
@@ -80,7 +82,7 @@ def make_learner_group(
     refs = [
         h.setup.remote(model_path, learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
                        dtype=dtype, seed=seed, max_response_length=max_response_length,
-                       master_addr=addr, master_port=port)
+                       reference_path=reference_path, master_addr=addr, master_port=port)
         for h in handles
     ]
     if wait:

@@ -134,6 +134,7 @@ class EngineSetup:
         dtype: str = "float32",
         seed: int = 0,
         max_response_length: Optional[int] = None,
+        reference_path: Optional[str] = None,
         master_addr: str = "127.0.0.1",
         master_port: Optional[int] = None,
     ) -> dict:
@@ -143,7 +144,8 @@ class EngineSetup:
         import_training_stack()
         self._join_process_group(learner, master_addr, master_port)
         out = self.reset(model_path, learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
-                         dtype=dtype, seed=seed, max_response_length=max_response_length)
+                         dtype=dtype, seed=seed, max_response_length=max_response_length,
+                         reference_path=reference_path)
         shim = self._take_first_forward()
         out["setup_s"] = time.perf_counter() - t0
         out.update(host_info(shim))
@@ -207,8 +209,11 @@ class EngineSetup:
         dtype: str = "float32",
         seed: int = 0,
         max_response_length: Optional[int] = None,
+        reference_path: Optional[str] = None,
     ) -> dict:
-        """A fresh model, optimizer and schedule from `model_path`, as a new process would have.
+        """A fresh model, optimizer and schedule from `model_path`, as a new process would have
+        (and the frozen reference from `reference_path`, the run's initial policy, when the loss
+        has a KL term; `model_path` when not given).
 
         The process group stays; everything a run's update depends on (weights, Adam moments,
         lr schedule, RNG, loss config, step counters) is rebuilt, so a sweep trial on a reused
@@ -224,6 +229,7 @@ class EngineSetup:
         model = self._load_model(model_path, learner, seed=seed, bf16=bf16)
         grad_accum = self._plan_batches(learner)
         self._build_engine(model, learner, grad_accum=grad_accum, bf16=bf16)
+        self.load_reference(reference_path or model_path, bf16=bf16)
         self.clip = float(learner["grad_clip"]) if clips_itself(learner, bf16) else None
         self.grad_accum = grad_accum
         self.optimizer_steps = 0
@@ -311,7 +317,7 @@ class EngineSetup:
             engine.destroy()
         except Exception:
             pass
-        self.engine = self.optimizer = self.scheduler = None
+        self.engine = self.optimizer = self.scheduler = self.reference = None
         import gc
 
         gc.collect()

@@ -25,8 +25,10 @@ class PPOStep:
     """Mixin of the learner actor; needs the attributes `EngineSetup.reset` sets."""
 
     # -- forward ---------------------------------------------------------------------------
-    def _token_stats(self, mb):
-        """(entropy, log_prob, sum_p2) [n, R] of the response tokens; log_prob carries grads.
+    def _token_stats(self, mb, model=None, entropy_grad: bool = False):
+        """(entropy, log_prob, sum_p2) [n, R] of the response tokens; log_prob carries grads
+        (entropy too with `entropy_grad`, for the entropy bonus). `model`: another model than the
+        policy's (the frozen reference), run whole even under ZeRO-3.
 
         The forward runs on the micro-batch's own widths (`RolloutBatch.trimmed`); the results
         are padded back to the batch's R with zeros, on positions every loss masks out. Not under
@@ -38,12 +40,12 @@ class PPOStep:
         full_r = mb.response_length
         if self.zero_stage != 3:
             mb = mb.trimmed()
-        stats = self._token_stats_on(mb)
+        stats = self._token_stats_on(mb, model, entropy_grad)
         if mb.response_length == full_r:
             return stats
         return tuple(torch.nn.functional.pad(t, (0, full_r - mb.response_length)) for t in stats)
 
-    def _token_stats_on(self, mb):
+    def _token_stats_on(self, mb, model=None, entropy_grad: bool = False):
         import torch
 
         from stapoctl.learner import shared_prefix
@@ -55,20 +57,22 @@ class PPOStep:
         p, r = mb.prompt_length, mb.response_length
         labels = torch.where(mb.response_mask, mb.response_ids, -100).to(self.device)
         chunk = int(self.learner.get("logits_chunk_size") or 1024)
-        if self.zero_stage == 3:
+        grad = {"entropy_grad": True} if entropy_grad else {}
+        if self.zero_stage == 3 and model is None:
             # Partitioned weights: go through the module (its hooks gather the shards).
             logits = self.engine(input_ids=input_ids, attention_mask=attn, position_ids=pos).logits
             return token_stats(logits[:, p - 1 : p + r - 1], labels, chunk_size=chunk,
-                               temperature=self.temperature, return_sum_p2=True)
-        decoder = self.module.get_decoder()
+                               temperature=self.temperature, return_sum_p2=True, **grad)
+        model = self.module if model is None else model
+        decoder = model.get_decoder()
         hidden = None
         if shared_prefix.enabled(self.learner, self.device.type == "cuda"):
             hidden = shared_prefix.shared_prefix_hidden(decoder, input_ids, attn, pos, p, r)
         if hidden is None:
             hidden = decoder(input_ids=input_ids, attention_mask=attn, position_ids=pos)
             hidden = hidden.last_hidden_state[:, p - 1 : p + r - 1]
-        return token_stats(hidden, labels, lm_head_weight=self.module.get_output_embeddings().weight,
-                           chunk_size=chunk, temperature=self.temperature, return_sum_p2=True)
+        return token_stats(hidden, labels, lm_head_weight=model.get_output_embeddings().weight,
+                           chunk_size=chunk, temperature=self.temperature, return_sum_p2=True, **grad)
 
     def _no_grad_pass(self, batch, rows: slice):
         """Entropy, log-prob and sum p² of batch[rows], micro-batch by micro-batch, no grad."""
@@ -99,16 +103,17 @@ class PPOStep:
 
     # -- the step -------------------------------------------------------------------------
     def train_step(self, batch, global_step: int, old_logprob_source: str = "recompute", *, measure: bool = True,
-                   behavior: bool = False, is_cap: float = 2.0) -> dict:
-        """Old log-probs, then PPO updates over mini-batches; returns metrics and, for the driver,
-        the measured log-probs and entropies (rank 0).
+                   behavior: bool = False) -> dict:
+        """Old log-probs (and the reference's, with a KL term), then PPO updates over mini-batches;
+        returns metrics and, for the driver, the measured log-probs and entropies (rank 0).
 
         old_logprob_source: "recompute" (a no-grad pass of the learner, verl style) or "rollout"
         (vLLM's own log-probs, equal to the learner's in fp32 at T=1: the pass is skipped).
         measure: run the no-grad pass anyway, for the sync canary `rollout/logprob_diff_max` and
         the token diagnostics (the driver asks for it on the first step and periodically).
         behavior: the batch was sampled by older weights than the learner's (asynchronous
-        training): the loss gets the decoupled-PPO importance weight min(π_old/π_behav, is_cap).
+        training). The loss then gets vLLM's log-probs as the behaviour policy's, and so does
+        every recomputed batch under an explicit `loss.rollout_correction` (`corrects`).
         """
         import torch
 
@@ -117,8 +122,13 @@ class PPOStep:
         t_ref = time.perf_counter() - t0
         old = stats["log_prob"] if old_logprob_source == "recompute" else batch.rollout_log_probs
         batch = batch.with_(old_log_probs=old, entropy=stats["entropy"] if stats else None)
+        t_policy = time.perf_counter()
+        if self.reference is not None:
+            batch = batch.with_(ref_log_probs=self.reference_log_probs(batch))
+        t_policy = time.perf_counter() - t_policy
         t1 = time.perf_counter()
-        metrics = self._update(batch, global_step, first_pass=stats, behavior=behavior, is_cap=is_cap)
+        behavior = behavior or corrects(self.loss_cfg, old_logprob_source)
+        metrics = self._update(batch, global_step, first_pass=stats, behavior=behavior)
         t_update = time.perf_counter() - t1
         rmask = batch.response_mask
         metrics.update({
@@ -126,6 +136,8 @@ class PPOStep:
             "timing_s/update": t_update,
             "perf/train_tokens_per_s": float(rmask.sum()) / max(t_ref + t_update, 1e-9),
         })
+        if self.reference is not None:
+            metrics["timing_s/ref_policy"] = t_policy
         if stats is not None:
             diff = torch.where(rmask, (stats["log_prob"] - batch.rollout_log_probs).abs(), 0.0)
             metrics["rollout/logprob_diff_max"] = float(diff.max()) if rmask.any() else 0.0
@@ -135,8 +147,7 @@ class PPOStep:
             metrics["_logprob_diff_rows"] = diff.max(dim=1).values  # per row: which worker drifted
         return metrics
 
-    def _update(self, batch, global_step: int, first_pass: Optional[dict], *, behavior: bool = False,
-                is_cap: float = 2.0) -> dict:
+    def _update(self, batch, global_step: int, first_pass: Optional[dict], *, behavior: bool = False) -> dict:
         """`ppo_epochs` passes over the batch, one optimizer step per mini-batch."""
         acc = MetricAccumulator(self._all_gather_objects)
         epochs = int(self.learner.get("ppo_epochs") or 1)
@@ -148,12 +159,12 @@ class PPOStep:
                 mini_sl = slice(start, min(start + self.mini_rows, n_rows))
                 measured = None if updated else first_pass  # after an update the weights have moved on
                 grad_norms.append(self._update_minibatch(batch, mini_sl, global_step, measured, acc,
-                                                         behavior=behavior, is_cap=is_cap))
+                                                         behavior=behavior))
                 updated = True
         return self._step_metrics(acc, grad_norms)
 
     def _update_minibatch(self, batch, mini_sl: slice, global_step: int, first_pass: Optional[dict],
-                          acc: MetricAccumulator, *, behavior: bool, is_cap: float) -> float:
+                          acc: MetricAccumulator, *, behavior: bool) -> float:
         """One optimizer step on batch[mini_sl]: this rank's rows, micro-batch by micro-batch,
         accumulated into a single update. Returns its grad norm."""
         mini = batch.select(mini_sl)
@@ -163,11 +174,11 @@ class PPOStep:
         extras = {"group_ids": mini.group_ids, "global_step": int(global_step)}
         if self.max_response_length:
             extras["max_response_length"] = int(self.max_response_length)
+        extras.update(_policy_inputs(mini, behavior))
         ent, context = self._minibatch_context(mini, mini_sl, mine, extras, first_pass, single)
         for k, sl in enumerate(micro_sls):
             rows = slice(mine.start + sl.start, mine.start + sl.stop)
-            loss, m, context = self._micro_loss(mini.select(rows), rows, ent, context, extras,
-                                                behavior=behavior, is_cap=is_cap)
+            loss, m, context = self._micro_loss(mini.select(rows), rows, ent, context, extras, behavior=behavior)
             boundary_norm = self._backward(loss, boundary=k == len(micro_sls) - 1)
             acc.add(m)
         norm = self._optimizer_step(boundary_norm)
@@ -193,25 +204,25 @@ class PPOStep:
                                     old_log_prob=mini.old_log_probs, sum_p2=p2, **extras, **self.loss_cfg)
         return ent, context
 
-    def _micro_loss(self, mb, rows: slice, ent, context, extras: dict, *, behavior: bool, is_cap: float):
+    def _micro_loss(self, mb, rows: slice, ent, context, extras: dict, *, behavior: bool):
         """The gradient forward of one micro-batch (mini-batch rows `rows`) and its loss.
         Returns (loss, metrics, context): the context is built here when none was passed in."""
         from stapoctl.losses import compute_policy_loss, prepare_minibatch, slice_context
 
         cfg = self.loss_cfg
-        ent_g, lp_g, p2_g = self._token_stats(mb)
+        bonus = float(cfg.get("entropy_coef") or 0.0) > 0  # the entropy bonus needs H's gradient
+        ent_g, lp_g, p2_g = self._token_stats(mb, entropy_grad=bonus)
         mask = mb.response_mask.to(self.device)
+        mb_extras = dict(extras, group_ids=mb.group_ids.to(self.device))
+        mb_extras.update((k, v.to(self.device)) for k, v in _policy_inputs(mb, behavior).items())
         if context is None:
             context = prepare_minibatch(self.loss_name, log_prob=lp_g.detach(),
                                         advantages=mb.advantages, response_mask=mask,
-                                        entropy=ent_g, old_log_prob=mb.old_log_probs,
-                                        sum_p2=p2_g, **extras, **cfg)
+                                        entropy=ent_g.detach(), old_log_prob=mb.old_log_probs,
+                                        sum_p2=p2_g, **mb_extras, **cfg)
             ent_mb = ent_g
         else:
-            ent_mb = ent[rows].to(self.device)
-        mb_extras = dict(extras, group_ids=mb.group_ids.to(self.device))
-        if behavior:
-            mb_extras.update(behavior_log_prob=mb.rollout_log_probs.to(self.device), is_cap=float(is_cap))
+            ent_mb = ent_g if bonus else ent[rows].to(self.device)
         loss, m = compute_policy_loss(
             self.loss_name,
             log_prob=lp_g,
@@ -304,7 +315,9 @@ class MetricAccumulator:
     metrics describe the whole mini-batch (as one rank holding it all would report them).
     """
 
-    SUM_KEYS = ("actor/pg_loss", "stapo/spurious_count", "loss/response_tokens")
+    # the loss library normalises these by the mini-batch: each micro-batch holds its share
+    SUM_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "stapo/spurious_count",
+                "loss/response_tokens")
 
     def __init__(self, gather=None) -> None:
         self.gather = gather or (lambda obj: [obj])
@@ -353,3 +366,22 @@ class MetricAccumulator:
         keys = set().union(*self.mini)
         return {k: (max(m.get(k, float("-inf")) for m in self.mini) if self.kind(k) == "max"
                     else sum(m.get(k, 0.0) for m in self.mini) / len(self.mini)) for k in keys}
+
+
+def corrects(loss: dict, old_logprob_source: str) -> bool:
+    """Whether the loss sees the behaviour policy's log-probs (vLLM's) on a batch that is not
+    stale: under an explicit `loss.rollout_correction` every batch whose old log-probs are the
+    learner's recompute is weighted by π_old/π_behav; under `off` the loss only measures it
+    (`rollout_corr/*`); `auto` keeps it to stale async batches."""
+    return str(loss.get("rollout_correction") or "auto") != "auto" and old_logprob_source == "recompute"
+
+
+def _policy_inputs(mb, behavior: bool) -> dict:
+    """The loss's optional per-token inputs of these rows: the behaviour policy's log-probs
+    (vLLM's, when the batch is corrected) and the frozen reference's (KL term)."""
+    out = {}
+    if behavior:
+        out["behavior_log_prob"] = mb.rollout_log_probs
+    if mb.ref_log_probs is not None:
+        out["ref_log_prob"] = mb.ref_log_probs
+    return out

@@ -6,7 +6,11 @@ Public API::
     ctx = prepare_minibatch(name, log_prob=..., advantages=..., response_mask=..., entropy=..., **cfg)
     loss, metrics = compute_policy_loss(name, log_prob=..., old_log_prob=..., advantages=...,
                                         response_mask=..., entropy=..., **cfg, **slice_context(ctx, rows))
-    entropy, log_prob = token_stats(logits_or_hidden, labels, chunk_size=...)
+    entropy, log_prob = token_stats(logits_or_hidden, labels, chunk_size=..., entropy_grad=False)
+
+Every loss takes the verl-parity terms through ``cfg`` (kl_coef/kl_estimator + ref_log_prob,
+entropy_coef, rollout_correction/rollout_is_cap + behavior_log_prob): regularizers.py,
+rollout_correction.py.
 
 Importing this package registers every method in ``LOSSES``.
 """

@@ -8,18 +8,31 @@ import torch
 from torch import Tensor
 
 from .batch import PolicyBatch
+from .diagnostics import to_floats
 from .registry import EXTRA_KEYS, get_spec, split_kwargs
+from .regularizers import record_context, regularizer_loss
+from .rollout_correction import rollout_correction
+
+
+def _apply_rollout_correction(batch: PolicyBatch, conf: Any) -> None:
+    """The weight every method's surrogate multiplies (``batch.is_weight``) and its metrics."""
+    cap = getattr(conf, "rollout_is_cap", None) or float(batch.extras.get("is_cap") or 2.0)
+    corr = rollout_correction(batch.old, batch.token_tensor("behavior_log_prob"), batch.mask,
+                              mode=getattr(conf, "rollout_correction", "auto"), cap=cap)
+    batch.is_weight = corr.weight
+    batch.metric_terms.update(corr.metrics)
 
 
 def compute_policy_loss(
     name: str, /, *, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
     entropy: Tensor, **cfg: Any,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Loss to minimise (fp32 scalar, differentiable w.r.t. log_prob) and metrics.
+    """Loss to minimise (fp32 scalar, differentiable w.r.t. log_prob, and w.r.t. entropy when
+    ``entropy_coef > 0`` and the entropy carries a gradient) and metrics.
 
     ``cfg`` takes the loss config's fields (``dataclasses.asdict(cfg)`` works, ``name``
     included), the extra inputs and the mini-batch context listed in ``registry``. Without a
-    context the call is its own mini-batch.
+    context the call is its own mini-batch. loss = method's pg − c·agg(H) + β·agg(KL) (verl).
     """
     spec = get_spec(name)
     conf, extras, context = split_kwargs(spec, cfg)
@@ -27,7 +40,14 @@ def compute_policy_loss(
         log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, response_mask=response_mask,
         entropy=entropy, extras=extras, context=context,
     )
+    _apply_rollout_correction(batch, conf)
+    reg = regularizer_loss(batch, conf)
     loss, metrics = spec.fn(batch, conf)
+    missing = {k: v for k, v in batch.metric_terms.items() if k not in metrics}
+    if missing:  # a method that does not return standard_metrics
+        metrics.update(to_floats(missing))
+    if reg is not None:
+        loss = loss + reg
     return loss, metrics
 
 
@@ -37,10 +57,12 @@ def prepare_minibatch(
     """Mini-batch statistics to pass as kwargs into every micro-batch ``compute_policy_loss``.
 
     All inputs are the (detached) tensors of the whole mini-batch, from the current policy
-    (000 Alg. 1 line 8). Returns floats (``entropy_threshold``, ``loss_denominator``, ...) and
-    [B] tensors under ``row_*`` keys, to be sliced per micro-batch with ``slice_context``.
-    With it, the sum over micro-batches of loss (and gradient) equals the one-shot mini-batch
-    value. ``old_log_prob`` may be passed (ppl_shaping needs it).
+    (000 Alg. 1 line 8). Returns floats (``entropy_threshold``, ``loss_denominator``,
+    ``reg_denominator``, ...) and [B] tensors under ``row_*`` keys, to be sliced per
+    micro-batch with ``slice_context``. With it, the sum over micro-batches of loss (and
+    gradient) equals the one-shot mini-batch value. ``old_log_prob`` may be passed
+    (ppl_shaping needs it); ``behavior_log_prob`` is not needed here, ``ref_log_prob`` only by
+    tr_grpo's own tr_weighted KL.
     """
     spec = get_spec(name)
     old_log_prob = cfg.pop("old_log_prob", None)
@@ -50,7 +72,8 @@ def prepare_minibatch(
     with torch.no_grad():
         batch = PolicyBatch(
             log_prob=log_prob.detach(), old_log_prob=None if old_log_prob is None else old_log_prob.detach(),
-            advantages=advantages, response_mask=response_mask, entropy=entropy, extras=extras,
+            advantages=advantages, response_mask=response_mask, entropy=entropy.detach(), extras=extras,
         )
+        record_context(batch, conf)
         spec.fn(batch, conf)
     return batch.exported_context()

@@ -47,11 +47,14 @@ class PolicyBatch:
         old = old_log_prob if old_log_prob is not None else log_prob
         self.old = torch.where(self.mask, old.detach().float(), 0.0)
         self.adv = torch.where(self.mask, advantages.detach().float(), 0.0)
-        self.ent = torch.where(self.mask, entropy.detach().float(), 0.0)
+        self.ent = torch.where(self.mask, entropy.detach().float(), 0.0)  # masks and metrics
+        self._entropy = entropy  # as passed: carries a gradient only from token_stats(entropy_grad=True)
         self.prob = torch.where(self.mask, self.lp.detach().exp(), 0.0)
         self.extras = dict(extras or {})
         self.context = dict(context or {})
         self.recorded: dict[str, Any] = {}
+        self.is_weight: Optional[Tensor] = None  # rollout correction weight (rollout_correction.py)
+        self.metric_terms: dict[str, Tensor] = {}  # metrics of the shared terms, read in standard_metrics
 
     # -- extra inputs -------------------------------------------------------------------
     def extra(self, key: str, *, required_by: Optional[str] = None) -> Any:
@@ -78,15 +81,9 @@ class PolicyBatch:
             raise ValueError(f"{key} must have shape [B, T]=({self.B}, {self.T}), got {tuple(t.shape)}")
         return torch.where(self.mask, t.detach().float(), 0.0)
 
-    def behavior_weight(self) -> Optional[Tensor]:
-        """Truncated importance weight min(π_old/π_behav, is_cap) [B, T], or None when the tokens
-        were sampled by the proximal policy itself (synchronous training)."""
-        behav = self.token_tensor("behavior_log_prob")
-        if behav is None:
-            return None
-        cap = float(self.extras.get("is_cap") or 2.0)
-        w = torch.exp((self.old - behav).clamp(-20.0, 20.0)).clamp(max=cap)
-        return torch.where(self.mask, w, 0.0)
+    def entropy_for_bonus(self) -> Tensor:
+        """H [B, T] fp32 with the caller's gradient (none if the caller passed a detached one)."""
+        return torch.where(self.mask, self._entropy.float(), 0.0)
 
     # -- mini-batch context ---------------------------------------------------------------
     def ctx(self, key: str, compute: Callable[[], Tensor]) -> Tensor:

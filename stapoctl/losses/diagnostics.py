@@ -112,11 +112,6 @@ def standard_metrics(
         "loss/active_token_ratio": _ratio((keep & mask).sum(), n_resp),
         "loss/response_tokens": n_resp,
     }
-    if sur.is_weight is not None:  # asynchronous training: the behaviour correction actually applied
-        w = sur.is_weight
-        cap = float(batch.extras.get("is_cap") or 2.0)
-        values["async/is_weight_mean"] = _masked_mean(w, mask)
-        values["async/is_weight_max"] = torch.where(mask, w, 0.0).max() if bool(mask.any()) else torch.zeros(())
-        values["async/is_truncated_frac"] = _masked_mean(w >= cap, mask)
+    values.update(getattr(batch, "metric_terms", {}))  # rollout_corr/*, actor/kl_loss, actor/entropy_loss
     values.update(extra or {})
     return to_floats(values)

@@ -25,7 +25,7 @@ def surrogate_of(batch: PolicyBatch, cfg: Any, *, advantages: Optional[Tensor] =
         clip_ratio_high=cfg.clip_ratio_high,
         clip_ratio_c=cfg.clip_ratio_c,
         weight=weight,
-        is_weight=batch.behavior_weight(),
+        is_weight=batch.is_weight,
     )
 
 
@@ -33,10 +33,11 @@ def aggregate_with_context(
     batch: PolicyBatch, cfg: Any, token_loss: Tensor, *, loss_mask: Tensor, norm_mask: Tensor
 ) -> Tensor:
     """Aggregate with the mini-batch normaliser (context ``loss_denominator``) unless per-micro-batch."""
+    t_max = batch.extra("max_response_length") or None  # seq-mean-token-sum-norm's constant (default T)
     if cfg.per_microbatch_norm:
-        denominator = normaliser(norm_mask, cfg.loss_agg_mode)
+        denominator = normaliser(norm_mask, cfg.loss_agg_mode, t_max=t_max)
     else:
-        denominator = batch.ctx("loss_denominator", lambda: normaliser(norm_mask, cfg.loss_agg_mode))
+        denominator = batch.ctx("loss_denominator", lambda: normaliser(norm_mask, cfg.loss_agg_mode, t_max=t_max))
     return aggregate(token_loss, loss_mask, cfg.loss_agg_mode, norm_mask=norm_mask, denominator=denominator)
 
 

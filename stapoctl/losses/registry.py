@@ -11,30 +11,35 @@ Extra per-call inputs (keyword arguments of ``compute_policy_loss`` / ``prepare_
 - ``sum_p2``: [B, T] float, sum_k pi_k^2 from ``token_stats(..., return_sum_p2=True)``
   (exact LM-head gradient-norm proxies; without it the (1 - pi)^2 lower bound is used).
 - ``hidden_norm``: [B, T] float, ||h_t||_2 of the final hidden state (default 1).
-- ``max_response_length``: int, WAPO's T_max (default: T of the tensors).
-- ``ref_log_prob``: [B, T] float, reference policy log-probs (tr_grpo with kl_coef > 0).
-- ``behavior_log_prob``: [B, T] float, log-probs of the policy that *sampled* the tokens, when it
-  is older than ``old_log_prob``'s (asynchronous training). Every method then optimises the
-  decoupled PPO objective (Hilton et al. 2022, "Batch size-invariance for policy optimization";
-  AReaL): w_t · min(ρ_t Â, clip(ρ_t) Â) with ρ = π_θ/π_old (π_old = the proximal policy, the
-  learner's recompute) and w_t = min(π_old/π_behav, ``is_cap``), a truncated importance weight
-  (TIS). Masks (STAPO's π < τ_p, H < h*) keep using the current policy's π and H.
-- ``is_cap``: float, the truncation C of w_t (default 2.0).
+- ``max_response_length``: int, WAPO's T_max and seq-mean-token-sum-norm's constant (default: T).
+- ``ref_log_prob``: [B, T] float, the frozen reference policy's log-probs (any loss with
+  ``kl_coef > 0``; see ``kl.py``, ``regularizers.py``).
+- ``behavior_log_prob``: [B, T] float, log-probs of the distribution that *sampled* the tokens
+  (the rollout engine's, possibly with older weights than ``old_log_prob``'s). Every method's
+  per-token surrogate is then multiplied by the config's ``rollout_correction`` weight built
+  from π_old/π_behav with cap ``rollout_is_cap`` (``rollout_correction.py``; ``auto`` = token
+  TIS, the decoupled PPO of Hilton et al. 2022, "Batch size-invariance for policy
+  optimization"). Masks (STAPO's π < τ_p, H < h*) keep using the current policy's π and H.
+- ``is_cap``: float, the old name of the ``rollout_is_cap`` config field (a one-time warning);
+  it applies when ``rollout_is_cap`` is absent or at its default 2.0.
 - ``old_log_prob``: only for ``prepare_minibatch`` (ppl_shaping needs it there).
 
 Mini-batch context (returned by ``prepare_minibatch``, passed back into every micro-batch
 call): ``entropy_threshold`` (S2T h*), ``select_entropy_threshold`` (20-Entropy's
-threshold), ``loss_denominator`` (the normaliser of the aggregation mode), and row-aligned
-tensors whose keys start with ``row_`` (``row_weight`` for wapo, ``row_ppl_weight`` for
+threshold), ``loss_denominator`` (the normaliser of the aggregation mode), ``reg_denominator``
+(that of the KL and entropy terms, over every response token; only when β or c > 0), and
+row-aligned tensors whose keys start with ``row_`` (``row_weight`` for wapo, ``row_ppl_weight`` for
 ppl_shaping) that must be sliced with the micro-batch rows (``slice_context``).
 """
 
 from __future__ import annotations
 
 import difflib
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
 
+from stapoctl.config.fields import default_of
 from stapoctl.config.losses import LOSS_CONFIGS
 
 EXTRA_KEYS = frozenset(
@@ -42,8 +47,10 @@ EXTRA_KEYS = frozenset(
      "behavior_log_prob", "is_cap"}
 )
 CONTEXT_KEYS = frozenset(
-    {"entropy_threshold", "select_entropy_threshold", "loss_denominator", "row_weight", "row_ppl_weight"}
+    {"entropy_threshold", "select_entropy_threshold", "loss_denominator", "reg_denominator", "row_weight",
+     "row_ppl_weight"}
 )
+_WARNED: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,22 @@ def split_kwargs(spec: LossSpec, kwargs: dict[str, Any], extra_keys: frozenset[s
     if cfg_kwargs.get("name", spec.name) != spec.name:
         raise ValueError(f"config name {cfg_kwargs['name']!r} does not match loss {spec.name!r}")
     cfg_kwargs["name"] = spec.name
+    _is_cap_alias(spec.config_cls, kwargs, cfg_kwargs)
     cfg = spec.config_cls(**cfg_kwargs)
     extras = {k: v for k, v in kwargs.items() if k in extra_keys}
     context = {k: v for k, v in kwargs.items() if k in CONTEXT_KEYS}
     return cfg, extras, context
+
+
+def _is_cap_alias(config_cls: type, kwargs: dict[str, Any], cfg_kwargs: dict[str, Any]) -> None:
+    """``is_cap`` (old name) fills ``rollout_is_cap`` unless that was set to a value of its own:
+    ``asdict(cfg)`` always carries the field, so its default counts as not given."""
+    if kwargs.get("is_cap") is None or "rollout_is_cap" not in {f.name for f in fields(config_cls)}:
+        return
+    if "is_cap" not in _WARNED:
+        _WARNED.add("is_cap")
+        warnings.warn("is_cap is renamed rollout_is_cap (a loss config field); a non-default rollout_is_cap wins",
+                      FutureWarning, stacklevel=4)
+    default = default_of(config_cls, "rollout_is_cap")
+    if cfg_kwargs.get("rollout_is_cap", default) == default:
+        cfg_kwargs["rollout_is_cap"] = float(kwargs["is_cap"])

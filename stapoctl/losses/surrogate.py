@@ -20,7 +20,7 @@ class Surrogate:
     clipped: Tensor  # bool: the clipped (zero-gradient) branch was taken
     coef: Tensor  # d s_t / d log pi_t (detached): the token's surrogate coefficient
     log_ratio: Tensor  # log pi - log pi_old (detached), for actor/ppo_kl
-    is_weight: Optional[Tensor] = None  # behaviour-policy importance weight applied (async), else None
+    is_weight: Optional[Tensor] = None  # rollout correction weight applied (rollout_correction.py), else None
 
 
 def clipped_surrogate(
@@ -37,8 +37,8 @@ def clipped_surrogate(
 ) -> Surrogate:
     """s_t = min(w*rho*A, clip(w*rho, 1-eps_low, 1+eps_high)*A), optional dual clip max(s_t, c*A) for A<0.
 
-    ``is_weight`` (detached, outside the clip): the decoupled-PPO behaviour correction
-    s_t ← is_weight_t · s_t of asynchronous training (see ``registry`` on ``behavior_log_prob``).
+    ``is_weight`` (detached, outside the clip): the rollout correction s_t ← is_weight_t · s_t
+    (``rollout_correction.py``; the decoupled PPO of asynchronous training is its token_tis).
 
     The min is a ``where`` rather than ``torch.minimum`` so that ties (rho inside the clip range,
     where both branches are equal) give the full unclipped gradient rather than two halves.
@@ -67,13 +67,24 @@ def clipped_surrogate(
                      is_weight=is_weight)
 
 
-def normaliser(norm_mask: Tensor, mode: str) -> Tensor:
-    """Denominator of ``mode``: token count for token-mean, count of non-empty rows otherwise."""
+def _check_mode(mode: str) -> None:
     if mode not in AGG_MODES:
         raise ValueError(f"loss_agg_mode={mode!r} is not one of {', '.join(AGG_MODES)}")
+
+
+def normaliser(norm_mask: Tensor, mode: str, *, t_max: Optional[float] = None) -> Tensor:
+    """Denominator of ``mode``: token count for token-mean, count of non-empty rows otherwise.
+
+    seq-mean-token-sum-norm (Dr. GRPO) folds its constant T_max (``t_max``, default the tensor's
+    T) into the denominator, so a context recorded on the mini-batch carries it to micro-batches.
+    """
+    _check_mode(mode)
     if mode == "token-mean":
         return norm_mask.sum().to(torch.float32)
-    return norm_mask.any(dim=-1).sum().to(torch.float32)
+    rows = norm_mask.any(dim=-1).sum().to(torch.float32)
+    if mode == "seq-mean-token-sum-norm":
+        return rows * float(norm_mask.shape[-1] if t_max is None else t_max)
+    return rows
 
 
 def aggregate(
@@ -83,20 +94,22 @@ def aggregate(
     *,
     norm_mask: Optional[Tensor] = None,
     denominator: Optional[Tensor] = None,
+    t_max: Optional[float] = None,
 ) -> Tensor:
     """Scalar fp32 loss from per-token terms.
 
     ``loss_mask``: tokens whose term enters the sum; ``norm_mask``: tokens counted by the
     normaliser (defaults to ``loss_mask``); ``denominator``: the mini-batch normaliser when the
-    call is one micro-batch of it. An empty sum gives 0 with zero gradient (the denominator is
-    clamped to >= 1; nothing branches, so the graph stays connected).
+    call is one micro-batch of it; ``t_max``: seq-mean-token-sum-norm's constant (default T).
+    An empty sum gives 0 with zero gradient (the denominator is clamped to >= 1; nothing
+    branches, so the graph stays connected).
     """
     norm_mask = loss_mask if norm_mask is None else norm_mask
     terms = torch.where(loss_mask, token_loss.float(), 0.0)
     if denominator is None:
-        denominator = normaliser(norm_mask, mode)
-    elif mode not in AGG_MODES:
-        raise ValueError(f"loss_agg_mode={mode!r} is not one of {', '.join(AGG_MODES)}")
+        denominator = normaliser(norm_mask, mode, t_max=t_max)
+    else:
+        _check_mode(mode)
     denominator = torch.as_tensor(denominator, dtype=torch.float32, device=terms.device).clamp(min=1.0)
     if mode == "seq-mean-token-mean":
         per_row = terms.sum(dim=-1) / norm_mask.sum(dim=-1).to(torch.float32).clamp(min=1.0)

@@ -38,6 +38,9 @@ def validate_train(conf: DictConfig) -> None:
             check_dataset(conf, bench, flag="eval.benches")
     if conf.model.path and not conf.resume:
         check_model(conf, str(conf.model.path), "model.path", context_key="rollout.max_response_length")
+    elif conf.model.path and float(conf.loss.get("kl_coef") or 0) > 0:
+        # a resumed run starts from its checkpoint, but its KL reference is still the base model
+        check_model(conf, str(conf.model.path), "model.path (the frozen reference of loss.kl_coef > 0)")
 
 
 def validate_eval(conf: DictConfig, model: str, benches: Sequence[str], k: Optional[int] = None) -> None:

@@ -26,10 +26,12 @@ class RolloutBatch:
     truncated: Tensor  # [N] bool: stopped by max_tokens, not by EOS
     texts: list[str] = field(default_factory=list)  # decoded responses (the verifier reads these)
     prompt_index: Optional[Tensor] = None  # [N] long: the prompt's row in the dataset
-    rewards: Optional[Tensor] = None  # [N] float32
+    rewards: Optional[Tensor] = None  # [N] float32: the final score (rule reward + any shaping)
+    rule_accuracy: Optional[Tensor] = None  # [N] float32: the rule verifier's verdict, 1 correct / 0 not
     advantages: Optional[Tensor] = None  # [N] or [N, R] float32
     old_log_probs: Optional[Tensor] = None  # [N, R] float32, the learner's recompute
     entropy: Optional[Tensor] = None  # [N, R] float32, from the same learner pass
+    ref_log_probs: Optional[Tensor] = None  # [N, R] float32, the frozen reference's (loss.kl_coef > 0)
 
     # -- construction -----------------------------------------------------------------
     @classmethod

@@ -8,6 +8,10 @@ A definition names an experiment, one swept Hydra key with its values, and seeds
     seeds: [0, 1, 2]          # default [0, 1, 2]; each sets trainer.seed
     overrides: []             # optional Hydra overrides for every trial
 
+A value may carry overrides of its own, applied to its trials only (docs/SWEEPS.md):
+`{value: dapo_full, set: [loss=dapo, trainer.dynamic_sampling=true]}`. When `set` sets the
+swept key itself, the value is only the trials' label (run name, tag, row of `compare`).
+
 Values are kept as written (`2e-3`, not 0.002): they become the trial's Hydra override, its
 tag and its run name, so what the user typed is what the MLflow UI shows.
 """
@@ -26,6 +30,7 @@ from stapoctl import paths
 from stapoctl.errors import UserError
 
 FILE_FIELDS = ("experiment", "key", "values", "seeds", "overrides", "description")
+VALUE_FIELDS = ("value", "set")  # a value entry with overrides of its own: {value: NAME, set: [k=v, …]}
 # key=value words of the command line that belong to the sweep, not to Hydra
 OPTIONS = ("values", "seeds", "resume", "force")
 # what the sweep itself sets in every trial: the command line may not set them too
@@ -57,11 +62,25 @@ class SweepDefinition:
     seeds: tuple[int, ...] = (0, 1, 2)
     overrides: tuple[str, ...] = ()
     description: str = ""
+    # (value, its own overrides) for the values that carry some, in the order of `values`
+    value_overrides: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def overrides_of(self, value: str) -> tuple[str, ...]:
+        """The overrides `value` carries for its own trials (none for a plain value)."""
+        return dict(self.value_overrides).get(value, ())
+
+    def with_values(self, values: tuple[str, ...]) -> "SweepDefinition":
+        """Other values (`values=[…]` on the command line): a value the file gives overrides keeps them."""
+        return replace(self, values=values, value_overrides=tuple(
+            (v, own) for v, own in self.value_overrides if v in values))
 
     def to_yaml(self) -> str:
         """The resolved definition (the parent run's `sweep.yaml`); `from_yaml` reads it back."""
         d = asdict(self)
-        d["values"], d["seeds"], d["overrides"] = list(self.values), list(self.seeds), list(self.overrides)
+        del d["value_overrides"]
+        sets = dict(self.value_overrides)
+        d["values"] = [{"value": v, "set": list(sets[v])} if v in sets else v for v in self.values]
+        d["seeds"], d["overrides"] = list(self.seeds), list(self.overrides)
         return yaml.safe_dump(d, sort_keys=False, default_flow_style=None, width=1000)
 
     @classmethod
@@ -106,7 +125,7 @@ def parse_command(name: str, args: list[str]) -> SweepCommand:
             raise UserError(f"argument '{item}' has no '=': write key=value, e.g. values=[2e-3,2e-2] or loss.lr=1e-6")
         bare = key.lstrip("+~")
         if key == "values":
-            definition = replace(definition, values=_values(value, "values"))
+            definition = definition.with_values(_values(value, "values"))
         elif key == "seeds":
             definition = replace(definition, seeds=_seeds(value, "seeds"))
         elif key == "resume":
@@ -174,15 +193,61 @@ def _from_mapping(raw: Any, name: str, where: str) -> SweepDefinition:
     overrides = raw.get("overrides") or []
     if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
         raise UserError(f"{where}: 'overrides' must be a list of key=value Hydra overrides")
+    values, value_overrides = _value_entries(raw["values"], f"{where}: values")
     return SweepDefinition(
         name=str(raw.get("name") or name),
         key=raw["key"].strip().lstrip("+~"),
-        values=_values(raw["values"], f"{where}: values"),
+        values=values,
+        value_overrides=value_overrides,
         experiment=str(raw.get("experiment") or "tiny"),
         seeds=_seeds(raw["seeds"], f"{where}: seeds") if "seeds" in raw else (0, 1, 2),
         overrides=tuple(overrides),
         description=str(raw.get("description") or ""),
     )
+
+
+def _value_entries(value: Any, what: str) -> tuple[tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...]]:
+    """A file's values: plain ones, or `{value: NAME, set: [key=value, …]}` entries whose
+    overrides apply to that value's trials only. Returns (values, (value, overrides) pairs)."""
+    if not isinstance(value, list):
+        return _values(value, what), ()
+    names: list[Any] = []
+    sets: list[tuple[str, tuple[str, ...]]] = []
+    for item in value:
+        if isinstance(item, dict):
+            name, own = _value_entry(item, what)
+            sets += [(name, own)] if own else []
+            item = name
+        names.append(item)
+    return _values(names, what), tuple(sets)
+
+
+def _value_entry(item: dict, what: str) -> tuple[str, tuple[str, ...]]:
+    """One `{value: NAME, set: [...]}` entry, checked: a name, Hydra overrides, none of them of a
+    key the sweep sets itself (experiment, seed, tracking names and tags), no key twice."""
+    form = "{value: NAME, set: [key=value, …]}"
+    for k in item:
+        if k not in VALUE_FIELDS:
+            near = difflib.get_close_matches(str(k), VALUE_FIELDS, n=1, cutoff=0.5)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise UserError(f"{what}: unknown field '{k}' in a value entry{hint} (an entry is {form})")
+    name = item.get("value")
+    if not isinstance(name, str) or not name.strip():
+        raise UserError(f"{what}: a value entry needs value: NAME, e.g. {{value: dapo_full, set: [loss=dapo]}}")
+    name, own = name.strip(), item.get("set") or []
+    if not isinstance(own, list) or not all(isinstance(o, str) and "=" in o for o in own):
+        raise UserError(f"{what}: the set of value '{name}' must be a list of key=value Hydra overrides, "
+                        "e.g. set: [loss=dapo, trainer.dynamic_sampling=true]")
+    seen: set[str] = set()
+    for item_ in own:
+        key = override_key(item_)
+        if key == "experiment" or key in OWNED_KEYS:
+            raise UserError(f"{what}: value '{name}' sets {key}, which the sweep sets for every trial: "
+                            "drop it from its set")
+        if key in seen:
+            raise UserError(f"{what}: value '{name}' sets {key} twice")
+        seen.add(key)
+    return name, tuple(o.strip() for o in own)
 
 
 def _as_list(value: Any, what: str) -> list[str]:

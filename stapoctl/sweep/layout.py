@@ -2,7 +2,8 @@
 submitter read. One parent run per sweep, one nested child (`train` run) per (value, seed).
 
 Parent: tags KIND=sweep, SWEEP_ID=<its own run id>, SWEEP_NAME; params P_KEY, P_VALUES, P_SEEDS,
-P_EXPERIMENT, P_OVERRIDES (+ one P_OVERRIDE_PREFIX<key> per override); artifact DEFINITION_ARTIFACT.
+P_EXPERIMENT, P_OVERRIDES (+ one P_OVERRIDE_PREFIX<key> per override, one P_VALUE_OVERRIDES_PREFIX<value>
+per value carrying overrides of its own); artifact DEFINITION_ARTIFACT.
 Child: tags mlflow.parentRunId, KIND=train, SWEEP_ID, SWEEP_VALUE (as written), SEED, TRIAL (index);
 run name RUN_NAME_FORMAT (e.g. `tau_p=2e-2-seed1`).
 """
@@ -28,6 +29,7 @@ P_SEEDS = "sweep.seeds"
 P_EXPERIMENT = "sweep.experiment"
 P_OVERRIDES = "sweep.overrides"  # every trial's extra Hydra overrides, space-separated
 P_OVERRIDE_PREFIX = "sweep.override."  # + key: one param per override, for filtering
+P_VALUE_OVERRIDES_PREFIX = "sweep.value_overrides."  # + value: the overrides only its trials get
 
 # metrics: on each child at step 0, on the parent at step = trial index
 M_OVERHEAD = "sweep/trial_overhead_s"  # wall time minus the trial's steps and validations

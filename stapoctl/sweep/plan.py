@@ -2,8 +2,9 @@
 
 Pure planning (no engines, no MLflow writes), so the local runner and the SLURM array
 submitter run exactly the same trials: `plan_trials(definition, sweep_id)` gives each trial's
-Hydra overrides — the experiment, the sweep's overrides, the swept value, the seed, and the
-nesting (`tracking.parent_run_id`) and tags that `stapoctl compare` reads.
+Hydra overrides — the experiment, the sweep's overrides, the swept value and the overrides that
+value carries, the seed, and the nesting (`tracking.parent_run_id`) and tags that `stapoctl
+compare` reads.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from omegaconf import DictConfig
 
 from stapoctl.errors import UserError
 from stapoctl.sweep import layout
-from stapoctl.sweep.definition import SEED_KEY, SweepDefinition
+from stapoctl.sweep.definition import SEED_KEY, SweepDefinition, override_key
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,18 @@ def value_override(definition: SweepDefinition, value: str) -> str:
     return f"{definition.key}={value}"
 
 
+def trial_settings(definition: SweepDefinition, value: str) -> tuple[list[str], list[str]]:
+    """(the sweep's overrides, the value's) for a value's trials: `key=value` and the overrides the
+    value carries (`{value: …, set: […]}`). The value's own win: a key they set is dropped from the
+    sweep's overrides, and when they set the swept key itself the value is only a label
+    (`dapo_full` with `set: [loss=dapo, …]`)."""
+    own = definition.overrides_of(value)
+    own_keys = {override_key(o) for o in own}
+    common = [o for o in definition.overrides if override_key(o) not in own_keys]
+    swept = [] if definition.key in own_keys else [value_override(definition, value)]
+    return common, [*swept, *own]
+
+
 def grid(definition: SweepDefinition) -> list[tuple[str, int]]:
     """(value, seed) in trial order: value-major, so each value's seeds run back to back."""
     return [(v, s) for v in definition.values for s in definition.seeds]
@@ -50,6 +63,7 @@ def plan_trials(definition: SweepDefinition, sweep_id: str, extra: tuple[str, ..
     (where it runs: e.g. a resume's tracking/cluster settings)."""
     trials = []
     for index, (value, seed) in enumerate(grid(definition)):
+        common, own = trial_settings(definition, value)
         name = layout.run_name(definition.key, value, seed)
         tags = {
             layout.SWEEP_ID: sweep_id,
@@ -61,9 +75,9 @@ def plan_trials(definition: SweepDefinition, sweep_id: str, extra: tuple[str, ..
         tag_dict = ",".join(f"{k}:{quote(v)}" for k, v in tags.items())
         overrides = (
             f"experiment={definition.experiment}",
-            *definition.overrides,
+            *common,
             *extra,
-            value_override(definition, value),
+            *own,
             f"{SEED_KEY}={seed}",
             f"tracking.parent_run_id={sweep_id}" if sweep_id else "tracking.parent_run_id=null",
             f"tracking.run_name={quote(name)}",

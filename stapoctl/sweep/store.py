@@ -63,6 +63,8 @@ def open_parent(definition: SweepDefinition, uri: Optional[str] = None, experime
     for item in definition.overrides:
         key, _, value = item.partition("=")
         params[layout.P_OVERRIDE_PREFIX + key.lstrip("+~")] = value
+    for value, own in definition.value_overrides:
+        params[layout.P_VALUE_OVERRIDES_PREFIX + value] = " ".join(own)
     from mlflow.entities import Param
 
     c.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])

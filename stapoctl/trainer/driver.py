@@ -53,7 +53,7 @@ def _train(conf: DictConfig, console: Console, session: Any, stop, own: bool) ->
     if state and int(state["step"]) >= int(conf.trainer.total_steps):
         return run_record.nothing_to_do(conf, state, uri, console)
     run_dir, base_model, policy_path = setup.prepare_run(conf, uri, state, resume_dir, console, warn)
-    data = setup.start_engines_and_data(conf, policy_path, console, uri, session, stop)
+    data = setup.start_engines_and_data(conf, policy_path, console, uri, session, stop, base_model)
     sampler = setup.prompt_sampler(conf, data, state)
 
     with run_record.open_record(conf, uri, state, run_dir, console) as record:
@@ -61,7 +61,8 @@ def _train(conf: DictConfig, console: Console, session: Any, stop, own: bool) ->
         rec = record.buffer
         base = run_record.record_start(conf, record, state, resume_dir, base_model)
         console.print(f"MLflow run {run_id} · run dir {run_dir}")
-        with setup.running_engines(conf, policy_path, resume_dir, console, session, own) as (engines, scorer):
+        with setup.running_engines(conf, policy_path, resume_dir, console, session, own,
+                                   base_model) as (engines, scorer):
             stop.install()  # ray.init replaced our SIGTERM handler
             engines.rollout_restarts = int(state.get("rollout_restarts", 0))
             run_record.tag_engines(rec, conf, engines)

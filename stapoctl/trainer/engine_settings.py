@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -64,8 +64,9 @@ def learner_shared_prefix(conf: DictConfig) -> str:
     return "on" if shared_prefix.enabled(dict(conf.learner), on_gpu) else "off"
 
 
-def learner_args(conf: DictConfig) -> dict[str, Any]:
-    """Everything a learner rank's `setup` / `reset` takes from a run's config."""
+def learner_args(conf: DictConfig, reference_path: Optional[str] = None) -> dict[str, Any]:
+    """Everything a learner rank's `setup` / `reset` takes from a run's config; `reference_path`:
+    the run's initial policy when it differs from the weights it starts from (a resumed run)."""
     r = conf.rollout
     learner = OmegaConf.to_container(conf.learner, resolve=True)
     learner["num_threads"] = thread_counts(conf)[1]
@@ -74,4 +75,5 @@ def learner_args(conf: DictConfig) -> dict[str, Any]:
         loss=OmegaConf.to_container(conf.loss, resolve=True),
         n_per_prompt=int(r.n), temperature=float(r.temperature), dtype=conf.model.dtype,
         seed=int(conf.trainer.seed), max_response_length=int(r.max_response_length),
+        reference_path=reference_path,
     )

@@ -216,10 +216,10 @@ def is_rollout_loss(exc: BaseException) -> bool:
     return isinstance(exc, (ray.exceptions.RayActorError, StaleWeightsError))
 
 
-def start_engines(conf: DictConfig, policy_path: str, console=None) -> "Engines":
+def start_engines(conf: DictConfig, policy_path: str, console=None, reference_path: Optional[str] = None) -> "Engines":
     """Ray, then the run's placement, then the vLLM actors and the learner ranks in parallel,
     then the weight-sync link."""
-    return launch_engines(conf, policy_path, console).ready()
+    return launch_engines(conf, policy_path, console, reference_path).ready()
 
 
 @dataclass
@@ -285,7 +285,8 @@ class EngineLaunch:
         Engines(workers=self.workers, learners=self.learners, sync=None, placement=self.placement).shutdown(grace_s=3.0)
 
 
-def launch_engines(conf: DictConfig, policy_path: str, console=None) -> EngineLaunch:
+def launch_engines(conf: DictConfig, policy_path: str, console=None,
+                   reference_path: Optional[str] = None) -> EngineLaunch:
     """Ray, the run's placement, then the vLLM actors and the learner ranks, created and left
     starting in parallel (see `EngineLaunch.ready`)."""
     import ray
@@ -328,7 +329,8 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None) -> EngineLa
             workers.append(make_rollout_worker(spec, num_cpus=float(r.cpus_per_worker), num_gpus=rollout_gpus(r),
                                                options=placement.rollout_options(i), synced=True,
                                                max_restarts=int(r.get("max_restarts", 0) or 0)))
-        learners, setup_refs = make_learner_group(policy_path, **learner_args(conf), placement=placement, wait=False)
+        learners, setup_refs = make_learner_group(policy_path, **learner_args(conf, reference_path),
+                                                   placement=placement, wait=False)
     except BaseException:
         Engines(workers=workers, learners=[], sync=None, placement=placement).shutdown()
         raise

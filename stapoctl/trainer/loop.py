@@ -28,6 +28,33 @@ class Cadence:
     diag_every: int
 
 
+class PlainSteps:
+    """Each step trains on the next data.train_batch_size prompts; async: their rollouts are sent
+    `ahead` steps early, so they generate while the learner updates."""
+
+    def __init__(self, runner: "StepRunner", sampler, ahead: int, total: int):
+        self.runner, self.sampler, self.ahead, self.total = runner, sampler, int(ahead), int(total)
+        self.launched: dict[int, PendingRollout] = {}
+        self.next_launch = 0
+        self.status = ("rollout → reward → update → sync" if not ahead else
+                       f"update ‖ rollouts of the next {ahead} step(s) → sync")
+
+    def step(self, step: int) -> tuple[Any, dict, dict]:
+        """(batch, metrics, sampler state right after this step's batch: what a checkpoint records)."""
+        self.next_launch = max(self.next_launch, step)
+        while self.next_launch <= min(step + self.ahead, self.total):
+            indices = self.sampler.next_batch()
+            self.launched[self.next_launch] = self.runner.launch_rollout(indices, self.next_launch,
+                                                                         self.sampler.state_dict())
+            self.next_launch += 1
+        pending = self.launched.pop(step)
+        batch, metrics = self.runner.finish(pending, wait_sync=not self.ahead)
+        return batch, metrics, pending.sampler_state
+
+    def close(self, stopping: bool = False) -> None:
+        pass
+
+
 @dataclass
 class Loop:
     conf: DictConfig
@@ -80,22 +107,14 @@ class Loop:
         and the last step checkpointed (start_step if none)."""
         runner, total = self.runner, due.total
         last: dict = {}
-        launched: dict[int, PendingRollout] = {}
-        next_launch = start_step + 1
+        source = self._step_source(ahead, total, view)
         t_prev = time.perf_counter()
         if self.stop is not None:
             self.stop.in_loop, self.stop.step = True, start_step
-        saved = start_step
+        saved, stopping = start_step, False
         for step in range(start_step + 1, total + 1):
-            # async: the rollouts of the next `ahead` steps generate while this step updates
-            while next_launch <= min(step + ahead, total):
-                indices = self.sampler.next_batch()
-                launched[next_launch] = runner.launch_rollout(indices, next_launch, self.sampler.state_dict())
-                next_launch += 1
-            view.status("rollout → reward → update → sync" if not ahead else
-                        f"update ‖ rollouts of the next {ahead} step(s) → sync")
-            pending = launched.pop(step)
-            batch, metrics = runner.finish(pending, wait_sync=not ahead)
+            view.status(source.status)
+            batch, metrics, sampler_state = source.step(step)
             if ahead:  # a step's wall time includes the overlapped generation
                 metrics["timing_s/step"] = time.perf_counter() - t_prev
             t_prev = time.perf_counter()
@@ -107,11 +126,22 @@ class Loop:
             if (due.save_freq > 0 and (step % due.save_freq == 0 or step == total)) or (stopping and step < total):
                 view.status("checkpoint")
                 runner.engines.wait_weights()
-                self.save(step, pending.sampler_state)
+                self.save(step, sampler_state)
                 saved = step
             if stopping and step < total:
                 break
+        source.close(stopping)
         return last, saved
+
+    def _step_source(self, ahead: int, total: int, view):
+        """Where each step's batch comes from: the next train_batch_size prompts, or dynamic
+        sampling's rounds (`trainer.dynamic_sampling`)."""
+        if self.conf.trainer.get("dynamic_sampling", False):
+            from stapoctl.trainer.dynamic_sampling import DynamicSampling
+
+            return DynamicSampling(self.conf, self.runner, self.sampler, ahead=ahead, total=total,
+                                   say=lambda msg: view.console.print(f"[yellow]{msg}[/]", soft_wrap=True))
+        return PlainSteps(self.runner, self.sampler, ahead, total)
 
     def _log_step(self, view, step: int, due: Cadence, batch, metrics: dict, replay: ReplayCheck) -> None:
         """Validation when due, then the step's metrics, tags, token diagnostics and view line."""
@@ -121,12 +151,13 @@ class Loop:
         if runner.data.val_sets and (step % due.val_every == 0 or step == due.total):
             view.status("validating")
             metrics.update(self.validate(step))
-            _log_samples(conf, batch, step)
+            if batch is not None:  # dynamic sampling: a step may make no update
+                _log_samples(conf, batch, step)
         metrics["fault/rollout_restarts"] = float(runner.engines.rollout_restarts)
         replay.check(step, metrics)
         mlflow_run.log_metrics(metrics, step=step)
         set_tags({"stapoctl.step": str(step)})
-        if due.diag_every > 0 and step % due.diag_every == 0:
+        if due.diag_every > 0 and step % due.diag_every == 0 and batch is not None:
             runner.log_diagnostics(batch, step, self.run_dir)
         view.step(step, metrics)
 

@@ -61,7 +61,7 @@ class EngineSession:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def prepare(self, conf: DictConfig, policy_path: str) -> None:
+    def prepare(self, conf: DictConfig, policy_path: str, reference_path: Optional[str] = None) -> None:
         """Start what `acquire` will need and return without waiting: Ray and the engine actors
         (when the running ones do not fit `conf`) and the verifier pool. The driver prepares
         its data and MLflow run meanwhile, on the cores the actors' start-up leaves idle.
@@ -81,14 +81,15 @@ class EngineSession:
         try:
             was_up = ray.is_initialized()
             with self.console.status("starting Ray and the engine actors…"):
-                self._launch, self._launch_key = launch_engines(conf, policy_path, self.console), key
+                self._launch, self._launch_key = launch_engines(conf, policy_path, self.console, reference_path), key
             self.started_ray = self.started_ray or not was_up
         except Exception as exc:
             self.started_ray = self.started_ray or ray.is_initialized()
             self._launch_error, self._launch_key = exc, key
 
-    def acquire(self, conf: DictConfig, policy_path: str) -> tuple[Any, Any]:
-        """Engines ready for a new run of `conf` starting from `policy_path`'s weights."""
+    def acquire(self, conf: DictConfig, policy_path: str, reference_path: Optional[str] = None) -> tuple[Any, Any]:
+        """Engines ready for a new run of `conf` starting from `policy_path`'s weights (its KL
+        reference from `reference_path`, when that is another model: a resumed run's base)."""
         import ray
 
         from stapoctl.trainer.engine_settings import learner_args
@@ -102,7 +103,7 @@ class EngineSession:
             raise exc
         if self.engines is not None and key == self.key:
             t0 = time.perf_counter()
-            args = learner_args(conf)
+            args = learner_args(conf, reference_path)
             ray.get([h.reset.remote(policy_path, **args) for h in self.engines.learners])
             self.engines.push_weights()  # every vLLM actor back to the base weights
             self.engines.info["reset_s"] = time.perf_counter() - t0
@@ -110,9 +111,9 @@ class EngineSession:
             self.runs += 1
             return self.engines, self.scorer
         if self._launch is None:
-            self.prepare(conf, policy_path)
+            self.prepare(conf, policy_path, reference_path)
             if self._launch_error is not None:
-                return self.acquire(conf, policy_path)
+                return self.acquire(conf, policy_path, reference_path)
         launch, self._launch, self._launch_key = self._launch, None, None
         with self.console.status(f"starting {conf.rollout.num_workers} vLLM rollout actor(s) and "
                                  f"{conf.learner.num_ranks} DeepSpeed learner rank(s) (ZeRO-{conf.learner.zero_stage})…"):

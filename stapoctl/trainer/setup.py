@@ -92,6 +92,9 @@ def prepare_run(conf: DictConfig, uri: str, state: dict, resume_dir: Optional[Pa
     from stapoctl import checkpoint
     from stapoctl.preflight.run_dir import run_preflight
 
+    if conf.trainer.mode == "async" and conf.loss.get("rollout_correction") == "off":
+        warn("loss.rollout_correction=off: stale async batches are trained without an importance weight "
+             "(rollout_corr/* still measures the mismatch)")
     run_dir = Path(state["run_dir"]) if state else None
     run_preflight(conf, uri, run_dir)  # before any compute: output dir, disk space, the MLflow store
     if run_dir is not None:
@@ -102,14 +105,16 @@ def prepare_run(conf: DictConfig, uri: str, state: dict, resume_dir: Optional[Pa
 
 
 def start_engines_and_data(conf: DictConfig, policy_path: str, console: Console, uri: str, session: Any,
-                           stop) -> TrainData:
-    """Ray and the engine actors start (`session.prepare`) while a thread does the driver's set-up."""
+                           stop, base_model: Optional[str] = None) -> TrainData:
+    """Ray and the engine actors start (`session.prepare`) while a thread does the driver's set-up.
+    `base_model`: the run's initial policy, the KL term's frozen reference (a resumed run starts
+    from another checkpoint)."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stapoctl-setup") as pool:
         # the driver's own set-up (2-3 s here) on a thread while this one starts Ray and the engine
         # actors, mostly waiting on Ray's processes: it overlaps Ray's start instead of competing
         # with the actors' vLLM and DeepSpeed imports for the cores (vLLM actor up in 5 s, was 6-7)
         setup = pool.submit(_driver_setup, conf, policy_path, console, uri)
-        session.prepare(conf, policy_path)
+        session.prepare(conf, policy_path, base_model)
         stop.install()  # ray.init replaced our SIGTERM handler
         return setup.result()
 
@@ -189,11 +194,11 @@ def validation_sets(conf: DictConfig, tokenizer, tokenizer_path: str, model_len:
 
 @contextlib.contextmanager
 def running_engines(conf: DictConfig, policy_path: str, resume_dir: Optional[Path], console: Console,
-                    session: Any, own: bool):
+                    session: Any, own: bool, base_model: Optional[str] = None):
     """Engines + verifier pool for one run from `session`: kept warm across runs (a sweep's
     trials) or, when the run owns it, shut down after the run by the caller (vLLM, then Ray)."""
     try:
-        engines, scorer = session.acquire(conf, policy_path)
+        engines, scorer = session.acquire(conf, policy_path, base_model)
         if resume_dir:
             engines.call_learners("load", str(resume_dir))
         info = engines.info

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from stapoctl.reward.overlong import overlong_stats
 from stapoctl.trainer.setup import TrainData
 
 
@@ -46,14 +47,16 @@ class StepRunner:
         self.old_source = old_logprob_source(conf)
         self.start_step = int(start_step)
         self.weight_version = self.learner_version = 0
-        self._worker_rows: list[int] = []
+        self._worker_rows: list[int] = []  # the rollout worker of each row of the batch to train on
         self._diag_pool: Any = None
         self._diag_jobs: list = []
 
     # -- rollout ---------------------------------------------------------------------------
-    def launch_rollout(self, indices: list[int], step: int, sampler_state: Optional[dict] = None) -> PendingRollout:
+    def launch_rollout(self, indices: list[int], step: int, sampler_state: Optional[dict] = None, *,
+                       seed_key: tuple = ()) -> PendingRollout:
         """Send the prompts to the workers (contiguous blocks; seeds per prompt, so the split
-        does not change what is sampled) and return at once."""
+        does not change what is sampled) and return at once. `seed_key`: more parts of each
+        request's seed (dynamic sampling's later rounds of a step draw other samples)."""
         from stapoctl.rollout.vllm_engine import prompt_seed
 
         r = self.conf.rollout
@@ -67,7 +70,7 @@ class StepRunner:
             return worker.rollout.remote(
                 [self.prompt_ids[i] for i in block], n=int(r.n), temperature=float(r.temperature),
                 top_p=float(r.top_p), max_tokens=int(r.max_response_length),
-                seed=[prompt_seed(run_seed, step, i) for i in block],
+                seed=[prompt_seed(run_seed, step, i, *seed_key) for i in block],
                 pad_id=self.pad_id, group_offset=j * per, prompt_index=block,
             )
 
@@ -85,7 +88,7 @@ class StepRunner:
         parts = self.engines.gather_rollouts(pending.refs, pending.submit, pending.jobs)
         wait = time.perf_counter() - t0
         batch = RolloutBatch.concat([p[0] for p in parts], pad_id=self.pad_id)
-        self._worker_rows = [len(p[0]) for p in parts]
+        self._worker_rows = [j for j, p in enumerate(parts) for _ in range(len(p[0]))]
         gen_s = max(p[1]["gen_s"] for p in parts)
         tokens = sum(p[1]["tokens"] for p in parts)
         return batch, {"timing_s/gen": gen_s, "timing_s/gen_wait": wait,
@@ -105,10 +108,15 @@ class StepRunner:
         rows = batch.prompt_index.tolist()
         rewards, stats = self.scorer.score(batch.texts, [self.answers[i] for i in rows],
                                            [self.questions[i] for i in rows])
-        rewards_t = torch.as_tensor(rewards, dtype=torch.float32)
+        penalty = overlong_penalty(batch, self.conf)  # DAPO's soft overlong punishment (0 when off)
+        rewards_t = torch.as_tensor(rewards, dtype=torch.float32) + penalty
         adv = compute_advantages(self.loss_cfg["name"], rewards_t, batch.group_ids, **self.loss_cfg)
-        batch = batch.with_(rewards=rewards_t, advantages=adv)
+        correct = float(self.conf.reward.get("correct", 1.0))  # the rule's verdict per row, before any shaping
+        accuracy = torch.as_tensor([float(r == correct) for r in rewards], dtype=torch.float32)
+        batch = batch.with_(rewards=rewards_t, advantages=adv, rule_accuracy=accuracy)
         metrics = dict(stats)
+        metrics.update(overlong_stats(penalty.tolist(), batch.truncated.tolist(),
+                                      bool(self.conf.reward.get("overlong_filter", False))))
         metrics["timing_s/reward"] = time.perf_counter() - t0
         return batch, metrics
 
@@ -123,18 +131,17 @@ class StepRunner:
         return bool((every and step % every == 0) or (diag and step % diag == 0))
 
     def update(self, batch, step: int, *, staleness: int = 0) -> dict:
-        m = self.engines.call_learners("train_step", batch, step, self.old_source, measure=self.measure_due(step),
-                                       behavior=staleness > 0, is_cap=float(self.conf.trainer.is_cap))
+        m = self.engines.call_learners("train_step", loss_view(batch, self.conf), step, self.old_source,
+                                       measure=self.measure_due(step), behavior=staleness > 0)
         self.learner_version += 1
         self._last_old = m.pop("_old_log_probs", None)
         self._last_entropy = m.pop("_entropy", None)
         diff_rows = m.pop("_logprob_diff_rows", None)
-        rows = self._worker_rows
-        if diff_rows is not None and len(rows) > 1:  # the sync canary, per rollout worker
-            start = 0
-            for j, count in enumerate(rows):
-                m[f"rollout/logprob_diff_max/worker_{j}"] = float(diff_rows[start:start + count].max())
-                start += count
+        workers = self._worker_rows
+        if diff_rows is not None and len(set(workers)) > 1 and len(workers) == len(diff_rows):  # the sync canary
+            for j in sorted(set(workers)):  # per rollout worker
+                rows = [k for k, w in enumerate(workers) if w == j]
+                m[f"rollout/logprob_diff_max/worker_{j}"] = float(diff_rows[rows].max())
         return m
 
     def sync(self, wait: bool = True) -> dict:
@@ -164,7 +171,7 @@ class StepRunner:
             return
         mini_rows = int(self.conf.learner.ppo_mini_batch_size) * int(self.conf.rollout.n)
         keep = Path(run_dir) / "diagnostics" / f"step_{step:06d}" if run_dir is not None else None
-        args = (batch, self._last_old, self._last_entropy, self.loss_cfg)
+        args = (loss_view(batch, self.conf), self._last_old, self._last_entropy, self.loss_cfg)
         kwargs = dict(step=step, mini_rows=mini_rows, decode=self.data.tokenizer.decode, keep_dir=keep, buffer=active())
         if self._diag_pool is None:
             self._diag_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stapoctl-diagnostics")
@@ -210,7 +217,7 @@ def batch_metrics(batch, conf: DictConfig) -> dict[str, float]:
 
     rewards, adv = batch.rewards, batch.advantages
     lengths = batch.response_lengths().float()
-    correct = (rewards > 0).float()
+    correct = ((rewards - overlong_penalty(batch, conf)) > 0).float()  # the rule's verdict, before shaping
     groups = batch.group_ids
     uniq = torch.unique(groups)
     solve_all = solve_none = 0
@@ -239,6 +246,36 @@ def batch_metrics(batch, conf: DictConfig) -> dict[str, float]:
         "batch/fingerprint": fingerprint(batch.prompt_index, batch.response_ids),
         "batch/prompts_fingerprint": fingerprint(batch.prompt_index),
     }
+
+
+def overlong_penalty(batch, conf: DictConfig):
+    """[N] DAPO's soft overlong penalty of each response (`reward/overlong.py`; zeros when
+    reward.overlong_buffer is 0), with L_max = rollout.max_response_length. A function of the batch's
+    lengths and the config alone, so `batch_metrics` can take it off the rewards again."""
+    import torch
+
+    from stapoctl.reward.overlong import overlong_penalties
+
+    buffer = int(OmegaConf.select(conf, "reward.overlong_buffer", default=0) or 0)
+    if not buffer:  # off (also for a config from before the knob existed)
+        return torch.zeros(len(batch), dtype=torch.float32)
+    factor = float(OmegaConf.select(conf, "reward.overlong_penalty", default=1.0))
+    penalties = overlong_penalties(batch.response_lengths().tolist(), int(conf.rollout.max_response_length),
+                                   buffer, factor)
+    return torch.as_tensor(penalties, dtype=torch.float32)
+
+
+def loss_view(batch, conf: DictConfig):
+    """The batch as the learner's loss sees it. With reward.overlong_filter (DAPO's overlong
+    filtering) the truncated rows — stopped by rollout.max_response_length, not by EOS — leave the
+    loss entirely: their response_mask rows are cleared. That mask is what every loss sums over and
+    what its denominators count (token-mean's tokens, seq-mean's non-empty rows, STAPO's entropy
+    quantile over M), so the rows weigh nothing; zeroing their advantages instead would still count
+    their tokens. Their rewards did enter their group's advantage baseline (as in verl). The scored
+    batch itself stays whole for the metrics (lengths, clip ratio) and the logged samples."""
+    if not OmegaConf.select(conf, "reward.overlong_filter", default=False) or not bool(batch.truncated.any()):
+        return batch
+    return batch.with_(response_mask=batch.response_mask & ~batch.truncated[:, None])
 
 
 def fingerprint(*tensors) -> float:

@@ -1,0 +1,58 @@
+"""The frozen reference policy of the KL term (`loss.kl_coef > 0`): a copy of the run's initial
+policy on each learner rank, evaluated without gradients over the batch before the update.
+
+On the learner's ranks rather than as an actor of its own: it reuses the rank's process, device,
+micro-batching, trimming, shared-prefix forward and all-gather, costs no second process group or
+object-store transfer of the batch, and its forward sits between the old-log-prob pass and the
+update where the rank is idle anyway. Its price is one more copy of the weights per rank (no
+gradients, no optimizer states): `stapoctl train --cfg job` prints it. verl colocates its
+reference the same way (the `ref` role of the actor-rollout-ref worker).
+
+The reference is the *initial* policy (the base model), also when a run resumes from a
+checkpoint: the trainer passes its path separately from the policy's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def needs_reference(loss: dict) -> bool:
+    """A KL term to a reference: `kl_coef > 0` for every loss (tr_grpo's own form included)."""
+    return float(loss.get("kl_coef") or 0.0) > 0.0
+
+
+class ReferencePolicy:
+    """Mixin of the learner actor: `load_reference` in `reset`, `reference_log_probs` per step."""
+
+    reference = None
+
+    def load_reference(self, path: Optional[str], *, bf16: bool) -> None:
+        """Load (or drop, when the loss has no KL term) the frozen copy; in the policy's dtype."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.reference = None
+        if path is None or not needs_reference(self.loss_cfg):
+            return
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
+        ref.config.use_cache = False
+        ref.requires_grad_(False)
+        self.reference = ref.to(self.device).eval()
+
+    def reference_log_probs(self, batch):
+        """log π_ref of every response token (0 on padding), all ranks' rows, like
+        `compute_log_probs` but through the reference's weights."""
+        import torch
+
+        from stapoctl.learner.ppo_step import plan_micro_batches
+
+        mine = self._my_rows(len(batch))
+        sub = batch.select(mine)
+        out = []
+        with torch.no_grad():
+            for sl in plan_micro_batches(len(sub), self.micro):
+                _, lp, _ = self._token_stats(sub.select(sl), model=self.reference)
+                out.append(lp.float().cpu())
+        lp = torch.where(batch.response_mask[mine], torch.cat(out), 0.0)
+        return self._all_gather_rows(lp)

@@ -1,0 +1,37 @@
+"""Per-token estimates of KL(π_θ || π_ref) from the sampled tokens (Schulman, "Approximating KL
+divergence", 2020), on the current policy's log-probs so the gradient flows through them.
+
+    k1  = log π − log π_ref
+    k2  = ½ (log π − log π_ref)²
+    k3  = π_ref/π − log(π_ref/π) − 1      (verl "low_var_kl"; ≥ 0, unbiased, low variance)
+    abs = |log π − log π_ref|
+
+k3 is computed in log space with the log ratio clamped like the surrogate's; unlike verl its
+value is not clamped to [−10, 10] (that clamp zeroes the gradient of far-off tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .surrogate import LOG_RATIO_CLAMP
+
+ESTIMATORS = ("k1", "k2", "k3", "abs")
+
+
+def kl_estimate(log_prob: Tensor, ref_log_prob: Tensor, estimator: str = "k3") -> Tensor:
+    """[B, T] fp32 per-token KL estimate; differentiable w.r.t. ``log_prob``, ``ref_log_prob`` detached."""
+    lp = log_prob.float()
+    ref = ref_log_prob.detach().float()
+    if estimator == "k1":
+        return lp - ref
+    if estimator == "k2":
+        return 0.5 * (lp - ref).square()
+    if estimator == "abs":
+        return (lp - ref).abs()
+    if estimator == "k3":
+        log_x = (ref - lp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return torch.exp(log_x) - log_x - 1.0
+    raise ValueError(f"kl_estimator={estimator!r} is not one of {', '.join(ESTIMATORS)} here "
+                     "(tr_weighted is TR-GRPO's own term)")
