@@ -29,6 +29,14 @@ COLUMNS = (
     ("entropy (last 10)", lambda h: _mean(v for _, v in h["actor/entropy"][-10:])),
     ("clipfrac ‰", lambda h: 1e3 * _mean(v for _, v in h["actor/pg_clipfrac"])),
 )
+# shown only when a sweep's runs logged them (recipe knobs): means over the run's steps
+OPTIONAL = (
+    ("Δlogp max", "rollout/logprob_diff_max", 1.0),
+    ("mismatch k3 ‰", "rollout_corr/kl_k3", 1e3),
+    ("IS weight mean", "rollout_corr/weight_mean", 1.0),
+    ("kept share", "dynamic_sampling/kept_frac", 1.0),
+    ("gen rounds", "dynamic_sampling/gen_rounds", 1.0),
+)
 
 
 def _mean(values) -> float:
@@ -65,7 +73,7 @@ def main() -> int:
         h = {k: [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, k),
                                                    key=lambda m: m.step)]
              for k in (VAL, "stapo/spurious_ratio", "stapo/masked_pos_adv_ratio",
-                       "actor/entropy", "actor/pg_clipfrac")}
+                       "actor/entropy", "actor/pg_clipfrac", *(key for _, key, _ in OPTIONAL))}
         for name, fn in COLUMNS:
             if fn is None:
                 step, best = max(h[VAL], key=lambda sv: (sv[1], -sv[0]))
@@ -73,10 +81,14 @@ def main() -> int:
                 rows[value]["peak_step"].append(step)
             else:
                 rows[value][name].append(fn(h))
+        for name, key, scale in OPTIONAL:
+            if h[key]:
+                rows[value][name].append(scale * _mean(v for _, v in h[key]))
         rows[value]["seeds"].append(run.data.tags.get(layout.SEED, "?"))
     key = client.get_run(sweep_id).data.params.get(layout.P_KEY, "value")
-    print(f"| {key} | seeds | " + " | ".join(n for n, _ in COLUMNS) + " |")
-    print("|---" * (len(COLUMNS) + 2) + "|")
+    extra = [name for name, _, _ in OPTIONAL if any(rows[v][name] for v in order)]
+    print(f"| {key} | seeds | " + " | ".join([n for n, _ in COLUMNS] + extra) + " |")
+    print("|---" * (len(COLUMNS) + len(extra) + 2) + "|")
     for value in order:
         r = rows[value]
         cells = []
@@ -85,6 +97,7 @@ def main() -> int:
                 cells.append(f"{_cell(r['peak'], 1)} ({_cell([float(s) for s in r['peak_step']], 0)})")
             else:
                 cells.append(_cell(r[name], 1 if "%" in name else 3))
+        cells.extend(_cell(r[name], 3) for name in extra)
         print(f"| {value} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
     return 0
 

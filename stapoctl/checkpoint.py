@@ -59,6 +59,28 @@ def save(run_dir: Path, step: int, write_payload: Callable[[Path], None], traine
     return final
 
 
+def prune(run_dir: Path, keep: int, newest: Path) -> list[Path]:
+    """Keep the `keep` newest step dirs (`trainer.keep_checkpoints`; 0 keeps all): an 8B run's
+    checkpoint with its optimizer state is over 100 GB. Nothing goes unless `newest` (just
+    written) verifies, and neither it nor the one `latest` names ever goes. Each removed dir is
+    first renamed to a hidden `.step_*` dir (debris a resume clears), so a kill mid-delete leaves
+    no half checkpoint. Returns the removed dirs."""
+    if keep <= 0 or verify(newest, checksums=False) is not None:  # sizes: the bytes were just fsynced
+        return []
+    root = Path(run_dir) / "checkpoints"
+    marker = root / "latest"
+    named = marker.read_text().strip() if marker.is_file() else ""
+    removed = []
+    for old in step_dirs(run_dir)[keep:]:
+        if old.name in (Path(newest).name, named):
+            continue
+        trash = Path(tempfile.mkdtemp(prefix=f".{old.name}.old.", dir=root))
+        os.rename(old, trash / old.name)
+        shutil.rmtree(trash, ignore_errors=True)
+        removed.append(old)
+    return removed
+
+
 # -- the manifest ---------------------------------------------------------------------------
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()

@@ -206,13 +206,21 @@ def compare(
     metric: Optional[List[str]] = typer.Option(None, "--metric", help="Metric to plot and tabulate (repeatable)"),
     out: Optional[str] = typer.Option(None, "--out", help="Directory for the table and figures "
                                       "(default ./compare-<id>; a .png path names the curves file)"),
+    test_metric: Optional[str] = typer.Option(None, "--test-metric", help="Metric the statistics test "
+                                              "(default avg/<first decoding>: held-out accuracy over benches)"),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="Row the others are tested against "
+                                           "(default grpo if a row, else the first row)"),
+    seeds_needed: Optional[float] = typer.Option(None, "--seeds-needed", help="Difference D (table units, "
+                                                 "points for accuracy): seeds per row to detect it at 80% power"),
     uri: Optional[str] = typer.Option(None, "--uri"),
 ) -> None:
-    """Table 2 of the paper (rows: methods or swept values; mean ± std over seeds) and figures:
-    accuracy vs value, training curves with seed bands, per-category gradient norms."""
+    """Table 2 of the paper (rows: methods or swept values; mean ± std over seeds), each row
+    against a baseline (bootstrap CIs, permutation p, Holm, verdict) and figures: accuracy vs
+    value, training curves with seed bands, per-category gradient norms."""
     from stapoctl.analysis.compare import compare as run_compare
 
-    run_compare(uri, ids, console, metrics=metric or (), out=out)
+    run_compare(uri, ids, console, metrics=metric or (), out=out, test_metric=test_metric, baseline=baseline,
+                seeds_delta=seeds_needed)
 
 
 @app.command()

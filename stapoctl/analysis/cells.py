@@ -6,7 +6,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from stapoctl.analysis.collect import Comparison
+from stapoctl.analysis.collect import Comparison, Trial
 from stapoctl.tracking import keys
 
 
@@ -49,10 +49,50 @@ def accuracy_cells(comp: Comparison) -> dict[str, dict[str, Cell]]:
         for dec in dict.fromkeys(d for _, d in cols):
             paper = [b for b, d in cols if d == dec and b in PAPER_BENCHES]
             if len(paper) > 1:
-                avgs = [statistics.fmean(t.finals[(b, dec)][0] for b in paper) for t in trials
-                        if all((b, dec) in t.finals for b in paper)]
-                row[f"avg/{dec}"] = Cell(avgs)
+                row[f"avg/{dec}"] = Cell([v for v in (_avg(t, paper, dec) for t in trials) if v is not None])
         out[g] = row
+    return out
+
+
+def _avg(trial: Trial, paper: list[str], dec: str) -> Optional[float]:
+    """A run's mean final accuracy over the paper benchmarks, None unless it has all of them."""
+    if not all((b, dec) in trial.finals for b in paper):
+        return None
+    return statistics.fmean(trial.finals[(b, dec)][0] for b in paper)
+
+
+def default_test_metric(comp: Comparison) -> Optional[str]:
+    """What the statistics test: `avg/<first decoding>`, else the first accuracy column."""
+    cols = list(next(iter(accuracy_cells(comp).values()), {}).keys())
+    first = [c for c in cols if c.split("/")[1] == cols[0].split("/")[1]] if cols else []
+    return next((c for c in first if c.startswith("avg/")), first[0] if first else None)
+
+
+def trial_value(comp: Comparison, trial: Trial, name: str) -> Optional[float]:
+    """One run's value of an accuracy column (`bench/dec`, `avg/dec`) or a last-step metric."""
+    from stapoctl.data.benches import PAPER_BENCHES
+
+    bench, _, dec = name.partition("/")
+    if bench == "avg" and dec:
+        paper = [b for b, d in comp.columns() if d == dec and b in PAPER_BENCHES]
+        return _avg(trial, paper, dec) if len(paper) > 1 else None
+    if (bench, dec) in trial.finals:
+        return trial.finals[(bench, dec)][0]
+    return trial.last(name)
+
+
+def is_accuracy(comp: Comparison, name: str) -> bool:
+    """Accuracy columns are shown in % (scale 100), last-step metrics as logged."""
+    bench, _, dec = name.partition("/")
+    return (bench == "avg" and dec in {d for _, d in comp.columns()}) or (bench, dec) in comp.columns()
+
+
+def seed_values(comp: Comparison, name: str) -> dict[str, list[tuple[str, float]]]:
+    """group → [(seed, value)] of the runs that have the metric, in row order."""
+    out: dict[str, list[tuple[str, float]]] = {}
+    for g, trials in comp.groups.items():
+        vals = [(t.seed, trial_value(comp, t, name)) for t in trials]
+        out[g] = [(s, v) for s, v in vals if v is not None]
     return out
 
 

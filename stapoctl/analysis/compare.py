@@ -5,20 +5,27 @@ Rows are the sweep's values (tag `stapoctl.sweep_value`) or, for plain runs, the
 that differ between them (seeds and bookkeeping keys aside), so three seeds of GRPO and three
 of STAPO give two rows. Cells are mean ± sample std over seeds with the seed count; the
 final accuracy of a run is read as `keys` documents (own eval/… metric, nested eval run, last
-validation). Everything shown is also written as table.md / table.csv / table.json.
+validation). A last table tests each row against a baseline row over seeds
+(`analysis/statistics.py`). Everything shown is also written as table.md / table.csv / table.json.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 
 from stapoctl.analysis import figures
+from stapoctl.analysis.cells import accuracy_cells, default_test_metric, is_accuracy, seed_values
 from stapoctl.analysis.collect import TRAINING_COLUMNS, Comparison, collect, mlflow_client
-from stapoctl.analysis.tables import csv_text, markdown, records, tables
+from stapoctl.analysis.statistics import ALPHA, N_RESAMPLES, POWER, RANDOM_STATE, RowStats, Sample, against
+from stapoctl.analysis.tables import (STATS_TABLE, csv_text, markdown, records, stats_heading, stats_markdown,
+                                      stats_table, tables)
+from stapoctl.errors import UserError
 from stapoctl.tracking import keys
 
 
@@ -28,15 +35,63 @@ def default_out(comp: Comparison) -> Path:
     return Path(f"compare-{tail}")
 
 
+@dataclass
+class Tested:
+    """The statistics of the "Against" table and what they were computed on."""
+
+    metric: str
+    baseline: str
+    scale: float  # the table shows value × scale (100 for accuracy)
+    delta: Optional[float]  # --seeds-needed, in table units
+    rows: list[RowStats]
+
+    @property
+    def heading(self) -> str:
+        return stats_heading(self.baseline, self.metric, self.scale)
+
+
+def pick_baseline(groups: Sequence[str], baseline: Optional[str]) -> str:
+    """--baseline, else `grpo` when it is a row, else the first row."""
+    if baseline is None:
+        return "grpo" if "grpo" in groups else groups[0]
+    if baseline not in groups:
+        raise UserError(f"compare: --baseline {baseline!r} is not a row; rows: " + ", ".join(groups))
+    return baseline
+
+
+def test_rows(comp: Comparison, test_metric: Optional[str], baseline: Optional[str],
+              delta: Optional[float]) -> Optional[Tested]:
+    """Statistics of the tested metric per row against the baseline; None with nothing to test."""
+    base = pick_baseline(list(comp.groups), baseline)
+    metric = test_metric or default_test_metric(comp)
+    if metric is None:
+        return None
+    values = seed_values(comp, metric)
+    if not any(values.values()):
+        cols = list(next(iter(accuracy_cells(comp).values()), {}).keys())
+        raise UserError(f"compare: --test-metric {metric!r}: no run has it; accuracy columns: "
+                        + (", ".join(cols) or "none") + ", or a logged metric name")
+    scale = 100.0 if is_accuracy(comp, metric) else 1.0
+    samples = [Sample(g, [v for _, v in sv], [s for s, _ in sv]) for g, sv in values.items()]
+    rows = against(samples, base, None if delta is None else delta / scale)
+    return Tested(metric, base, scale, delta, rows)
+
+
 def compare(uri: Optional[str], ids: Sequence[str], console: Console, metrics: Sequence[str] = (),
-            out: Optional[str] = None) -> dict[str, Path]:
-    """Print both tables; write table.{md,csv,json} and the figures to out (a dir; a .png path
-    names the training-curves file, as before); log them to each compared sweep under compare/."""
+            out: Optional[str] = None, test_metric: Optional[str] = None, baseline: Optional[str] = None,
+            seeds_delta: Optional[float] = None) -> dict[str, Path]:
+    """Print the tables (the last: statistics against a baseline row); write table.{md,csv,json}
+    and the figures to out (a dir; a .png path names the training-curves file, as before); log
+    them to each compared sweep under compare/."""
     comp = collect(uri, ids)
     columns = tuple((m, m) for m in metrics) if metrics else TRAINING_COLUMNS
+    tested = test_rows(comp, test_metric, baseline, seeds_delta)
     for heading, table in tables(comp, columns):
         console.print(f"[bold]{heading}[/]", highlight=False)
         console.print(table)
+    if tested:
+        console.print(f"[bold]{escape(tested.heading)}[/]", highlight=False)
+        console.print(stats_table(tested.rows, tested.scale, seeds_delta))
     curves_name = "training_curves.png"
     out_dir = Path(out) if out else default_out(comp)
     if out and out.endswith(".png"):
@@ -45,11 +100,12 @@ def compare(uri: Optional[str], ids: Sequence[str], console: Console, metrics: S
     client = mlflow_client(uri)
     written = {"table.md": out_dir / "table.md", "table.csv": out_dir / "table.csv",
                "table.json": out_dir / "table.json"}
-    written["table.md"].write_text(markdown(comp, columns))
-    rows = records(comp, columns)
+    written["table.md"].write_text(markdown(comp, columns) + stats_md(tested))
+    rows = records(comp, columns) + stats_records(comp, tested)
     written["table.csv"].write_text(csv_text(rows))
     written["table.json"].write_text(json.dumps(
         {"key": comp.key, "sweeps": [s.info.run_id for s in comp.sweeps], "rows": rows,
+         "statistics": stats_summary(tested),
          "runs": [{"run_id": t.id, "group": t.group, "seed": t.seed, "name": t.run.info.run_name,
                    "finals": {f"{b}/{d}": {"value": v, "k": k, "source": s} for (b, d), (v, k, s) in t.finals.items()}}
                   for t in comp.trials]}, indent=1) + "\n")
@@ -63,3 +119,28 @@ def compare(uri: Optional[str], ids: Sequence[str], console: Console, metrics: S
                       + ", ".join(comp.short[s.info.run_id] for s in comp.sweeps) + f" under {keys.COMPARE_DIR}/",
                       highlight=False)
     return written
+
+
+def stats_md(tested: Optional[Tested]) -> str:
+    if tested is None:
+        return ""
+    return stats_markdown(tested.rows, tested.heading, tested.scale, tested.delta)
+
+
+def stats_records(comp: Comparison, tested: Optional[Tested]) -> list[dict]:
+    """table.json rows of the "Against" table (values in metric units; the table shows × scale)."""
+    if tested is None:
+        return []
+    return [{"table": STATS_TABLE, "group": r.group, "column": tested.metric, "baseline": tested.baseline,
+             "scale": tested.scale, **r.to_json(), "runs": [t.id for t in comp.groups[r.group]]}
+            for r in tested.rows]
+
+
+def stats_summary(tested: Optional[Tested]) -> Optional[dict]:
+    """How the statistics rows were computed, so table.json reads without the docs."""
+    if tested is None:
+        return None
+    return {"metric": tested.metric, "baseline": tested.baseline, "scale": tested.scale, "alpha": ALPHA,
+            "power": POWER, "seeds_needed_delta": tested.delta, "bootstrap_resamples": N_RESAMPLES,
+            "random_state": RANDOM_STATE, "test": "unpaired permutation of the difference of means, "
+            "two-sided, exact up to bootstrap_resamples distinct splits; Holm across the non-baseline rows"}

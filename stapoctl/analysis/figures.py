@@ -1,7 +1,8 @@
 """The figures of `stapoctl compare` (matplotlib, Agg, PNG):
 
-- accuracy vs the swept value with ± std error bars (000 Fig. 4; log x axis when the values
-  are positive and span a decade or more), or a bar chart when the rows are methods;
+- accuracy vs the swept value with error bars (000 Fig. 4; log x axis when the values are
+  positive and span a decade or more), or a bar chart when the rows are methods; the bars are
+  the bootstrap 95% CI of the mean over seeds, ± std where a row has fewer than 3 seeds;
 - training curves per row, mean over seeds with a min–max band (000 Figs. 3 and 5): training
   reward accuracy, held-out accuracy, entropy, spurious ratio, response length, clip fraction;
 - the per-category LM-head gradient-norm proxies the loss library logs (000 Fig. 2b over time).
@@ -17,6 +18,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from stapoctl.analysis.cells import accuracy_cells, column_header
+from stapoctl.analysis.statistics import mean_ci
 from stapoctl.tracking import keys
 
 CURVES = (keys.ACCURACY, "val", keys.ENTROPY, keys.SPURIOUS_RATIO, keys.RESPONSE_LENGTH, keys.CLIPFRAC)
@@ -132,12 +134,27 @@ def _accuracy_columns(comp: Any) -> tuple[list[str], dict[str, dict[str, Any]]]:
     return cols, cells
 
 
+ERR_TITLE = "mean, bootstrap 95% CI over seeds; ± std if n < 3"
+
+
+def _yerr(cells: Sequence[Any]) -> np.ndarray:
+    """(2, n) error bars in %: below/above the mean to the CI's ends, ± std without a CI."""
+    out = np.zeros((2, len(cells)))
+    for i, c in enumerate(cells):
+        ci = mean_ci(c.values)[0] if c.n else None
+        if ci is not None:
+            out[:, i] = [100 * max(0.0, c.mean - ci[0]), 100 * max(0.0, ci[1] - c.mean)]
+        elif c.n:
+            out[:, i] = 100 * (c.std or 0.0)
+    return out
+
+
 def _column_label(col: str) -> str:
     return column_header(col)
 
 
 def accuracy_vs_value(comp: Any, path: Path) -> Optional[Path]:
-    """000 Fig. 4: final accuracy against the swept number, ± std over seeds."""
+    """000 Fig. 4: final accuracy against the swept number, 95% CI (± std below 3 seeds) over seeds."""
     cols, cells = _accuracy_columns(comp)
     if not cols or not comp.numeric:
         return None
@@ -150,7 +167,7 @@ def accuracy_vs_value(comp: Any, path: Path) -> Optional[Path]:
             continue
         x = np.array([r[0] for r in rows])
         y = np.array([100 * r[1].mean for r in rows])
-        err = np.array([100 * (r[1].std or 0.0) for r in rows])
+        err = _yerr([r[1] for r in rows])
         ax.errorbar(x, y, yerr=err, color=color, marker="o", capsize=4, lw=1.6, label=_column_label(col))
         for xi, yi, (_, c) in zip(x, y, rows):
             ax.annotate(f"n={c.n}", (xi, yi), textcoords="offset points", xytext=(4, 6), fontsize=7, color="0.4")
@@ -161,7 +178,7 @@ def accuracy_vs_value(comp: Any, path: Path) -> Optional[Path]:
     ax.minorticks_off()
     ax.set_xlabel(comp.key)
     ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"final accuracy vs {comp.key} (mean ± std over seeds)", fontsize=10)
+    ax.set_title(f"final accuracy vs {comp.key} ({ERR_TITLE})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -171,7 +188,7 @@ def accuracy_vs_value(comp: Any, path: Path) -> Optional[Path]:
 
 
 def accuracy_by_group(comp: Any, path: Path) -> Optional[Path]:
-    """Methods side by side (000 Table 2 as bars), ± std over seeds."""
+    """Methods side by side (000 Table 2 as bars), 95% CI (± std below 3 seeds) over seeds."""
     cols, cells = _accuracy_columns(comp)
     if not cols or comp.numeric:
         return None
@@ -182,10 +199,10 @@ def accuracy_by_group(comp: Any, path: Path) -> Optional[Path]:
     base = np.arange(len(groups))
     for i, (color, col) in enumerate(zip(_colors(len(cols)), cols)):
         y = [100 * (cells[g][col].mean or 0.0) for g in groups]
-        err = [100 * (cells[g][col].std or 0.0) for g in groups]
+        err = _yerr([cells[g][col] for g in groups])
         bars = ax.bar(base + (i - (len(cols) - 1) / 2) * width, y, width, yerr=err, capsize=3, color=color,
                       label=_column_label(col))
-        for b, g, e in zip(bars, groups, err):
+        for b, g, e in zip(bars, groups, err[1]):
             if cells[g][col].n:
                 ax.annotate(f"{b.get_height():.1f}", (b.get_x() + b.get_width() / 2, b.get_height() + e),
                             textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7)
@@ -193,7 +210,7 @@ def accuracy_by_group(comp: Any, path: Path) -> Optional[Path]:
     ax.set_xticklabels(groups, fontsize=9, rotation=20 if max(len(g) for g in groups) > 12 else 0, ha="right"
                        if max(len(g) for g in groups) > 12 else "center")
     ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"final accuracy by {comp.key} (mean ± std over seeds)", fontsize=10)
+    ax.set_title(f"final accuracy by {comp.key} ({ERR_TITLE})", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import csv
 import io
-from typing import Sequence
+from typing import Optional, Sequence
 
 from rich.table import Table
 
 from stapoctl.analysis.cells import accuracy_cells, column_header, training_cells
 from stapoctl.analysis.collect import TRAINING_COLUMNS, Comparison
+from stapoctl.analysis.statistics import ALPHA, RowStats
 from stapoctl.tracking import keys
+
+STATS_TABLE = "statistics"
 
 
 def _sources(comp: Comparison) -> str:
@@ -95,5 +98,74 @@ def csv_text(rows: list[dict]) -> str:
     w = csv.writer(buf)
     w.writerow(["table", "group", "column", "mean", "std", "n"])
     for r in rows:
+        if r["table"] == STATS_TABLE:  # table.json only: the CSV keeps its six columns
+            continue
         w.writerow([r["table"], r["group"], r["column"], r["mean"], "" if r["std"] is None else r["std"], r["n"]])
     return buf.getvalue()
+
+
+# -- against a baseline ----------------------------------------------------------------------------
+def _num(x, scale: float, fmt: str = ".2f") -> str:
+    return "—" if x is None else format(x * scale, fmt)
+
+
+def _ci(ci, scale: float) -> str:
+    return "" if ci is None else f" [{ci[0] * scale:.2f}, {ci[1] * scale:.2f}]"
+
+
+def _p(p) -> str:
+    return "—" if p is None else format(p, ".3g")
+
+
+def stats_cells(st: RowStats, scale: float, seeds: bool) -> list[str]:
+    """One row of the "Against" table as text: n, mean [CI], diff [CI], p's, floor, verdict."""
+    mean = _num(st.mean, scale) + (_ci(st.ci95, scale) if st.ci95 else (" (n<3: no CI)" if st.n_seeds else ""))
+    diff = "" if st.diff is None else format(st.diff * scale, "+.2f") + _ci(st.diff_ci95, scale)
+    out = [st.group, str(st.n_seeds), mean, diff or "—", _p(st.p_value), _p(st.p_holm), _p(st.p_paired),
+           _p(st.p_floor), st.verdict, st.ci_method or "—"]
+    return out + ([str(st.seeds_needed) if st.seeds_needed else "—"] if seeds else [])
+
+
+STATS_HEADERS = ("n", "mean [95% CI]", "diff [95% CI]", "p", "p Holm", "p paired", "p floor", "verdict",
+                 "CI method", "seeds needed")
+
+
+def stats_heading(baseline: str, metric: str, scale: float) -> str:
+    unit = " (%)" if scale == 100 else ""
+    return (f"Against {baseline}: {metric}{unit} over seeds, mean [bootstrap 95% CI]; diff = row − {baseline}; "
+            f"p = unpaired permutation test, two-sided, Holm across rows; better/worse when p Holm < {ALPHA:g}")
+
+
+def stats_caption(scale: float, delta: Optional[float]) -> str:
+    """What the less obvious columns mean, under the table."""
+    need = (f"; seeds needed: per row, to detect a {delta:g}{' point' if scale == 100 else ''} difference "
+            f"at 80% power (t-test, paired when the seeds match)" if delta is not None else "")
+    return ("p floor: the smallest p these seed counts allow (too few seeds when ≥ "
+            f"{ALPHA:g}); p paired: t-test over matched seeds, informational{need}")
+
+
+def stats_table(stats: Sequence[RowStats], scale: float, delta: Optional[float]) -> Table:
+    from rich import box
+
+    seeds = delta is not None
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, caption=stats_caption(scale, delta),
+              caption_justify="left")
+    t.add_column("row", style="bold", no_wrap=True)
+    for h in STATS_HEADERS[:len(STATS_HEADERS) - (0 if seeds else 1)]:
+        t.add_column(h, justify="left" if h in ("verdict", "CI method") else "right")
+    colors = {"better": "green", "worse": "red"}
+    for st in stats:
+        cells = stats_cells(st, scale, seeds)
+        cells[8] = f"[{colors[st.verdict]}]{st.verdict}[/]" if st.verdict in colors else st.verdict
+        t.add_row(*cells)
+    return t
+
+
+def stats_markdown(stats: Sequence[RowStats], heading: str, scale: float, delta: Optional[float]) -> str:
+    seeds = delta is not None
+    heads = ["row", *STATS_HEADERS[:len(STATS_HEADERS) - (0 if seeds else 1)]]
+    title, _, text = heading.partition(": ")
+    lines = ["", f"## {title}", "", f"{text}; {stats_caption(scale, delta)}.", "",
+             "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| " + " | ".join(stats_cells(st, scale, seeds)) + " |" for st in stats]
+    return "\n".join(lines) + "\n"

@@ -265,6 +265,7 @@ class ClusterConfig:
 class TrainerConfig:
     total_steps: int = spec(60, range=POSITIVE_INT)
     save_freq: int = spec(20, range=NON_NEGATIVE)
+    keep_checkpoints: int = spec(0, "the newest N step dirs stay (the rest are deleted once a newer one verifies)", range=NON_NEGATIVE, why="0 = keep all")
     seed: int = 0
     output_dir: Optional[str] = None  # checkpoints; default under STAPOCTL_HOME/runs/<run id>
     log_every: int = spec(1, range=POSITIVE_INT)

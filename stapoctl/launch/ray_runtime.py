@@ -96,6 +96,7 @@ def ensure_ray(cluster_cfg: Any = None, *, log_to_driver: bool = False) -> bool:
         kwargs["_system_config"] = {"prestart_worker_first_driver": False}
         # Keep Ray's own spill/log files out of the user's cwd and small.
         kwargs["object_store_memory"] = _object_store_bytes()
+    _quiet_token_auth_notice()
     try:
         ray.init(**kwargs)
         return True
@@ -104,6 +105,23 @@ def ensure_ray(cluster_cfg: Any = None, *, log_to_driver: bool = False) -> bool:
             f"cluster.address={address!r}: cannot connect to a Ray cluster there ({exc}); "
             "check the address or drop cluster.address to run locally"
         ) from exc
+
+
+class _DropTokenAuthNotice:
+    """Drops Ray's "Token authentication is enabled ..." notice; every other record passes."""
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith("Token authentication is enabled")
+
+
+def _quiet_token_auth_notice() -> None:
+    """Ray >= 2.5x announces at every `ray.init` that it turned token authentication on (README
+    "Ray authentication"): auth stays on, only the notice is dropped, once per process."""
+    import logging
+
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DropTokenAuthNotice) for f in logger.filters):
+        logger.addFilter(_DropTokenAuthNotice())
 
 
 def _object_store_bytes() -> int:

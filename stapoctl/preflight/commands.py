@@ -2,8 +2,9 @@
 any MLflow run, run dir or Ray exists: the config itself (`config.validate`), then `resume=`,
 the machine, the datasets and the model. Each failure is one line (`UserError`, exit 2).
 
-Only what can be known locally is checked: a hub id or a remote Ray/SLURM cluster is checked
-where it is reached (download, `launch.placement.make_placement`).
+A hub id is checked against the local HF cache, and refused only when it is missing there and
+the hub is offline (`preflight.hub`); a remote Ray/SLURM cluster is checked where it is reached
+(`launch.placement.make_placement`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from omegaconf import DictConfig
 from stapoctl.config.validate import validate_config
 from stapoctl.errors import UserError
 from stapoctl.preflight.dataset import check_dataset, train_dataset
+from stapoctl.preflight.hub import check_hub_model
 from stapoctl.preflight.machine import check_machine
 from stapoctl.preflight.model import check_model
 from stapoctl.preflight.resume import check_resume
@@ -41,6 +43,10 @@ def validate_train(conf: DictConfig) -> None:
     elif conf.model.path and float(conf.loss.get("kl_coef") or 0) > 0:
         # a resumed run starts from its checkpoint, but its KL reference is still the base model
         check_model(conf, str(conf.model.path), "model.path (the frozen reference of loss.kl_coef > 0)")
+    if conf.model.path and (not conf.resume or float(conf.loss.get("kl_coef") or 0) > 0):
+        check_hub_model(str(conf.model.path), "model.path")
+    if conf.reward.get("model_verifier"):
+        check_hub_model(str(conf.reward.model_verifier), "reward.model_verifier")
 
 
 def validate_eval(conf: DictConfig, model: str, benches: Sequence[str], k: Optional[int] = None) -> None:
@@ -52,4 +58,8 @@ def validate_eval(conf: DictConfig, model: str, benches: Sequence[str], k: Optio
         samples_per_problem(bench, k)
         check_dataset(conf, bench, flag="--bench")
     if model:
-        check_model(conf, model, "--model" if model != str(conf.model.path or "") else "model.path")
+        key = "--model" if model != str(conf.model.path or "") else "model.path"
+        check_model(conf, model, key)
+        check_hub_model(model, key)
+    if conf.reward.get("model_verifier"):  # the judge scores evaluation answers too
+        check_hub_model(str(conf.reward.model_verifier), "reward.model_verifier")

@@ -21,8 +21,11 @@ def check_dataset(conf: DictConfig, name: str, flag: str = "data.name") -> None:
     if source and not Path(str(source)).expanduser().is_file():
         raise UserError(f"data.source={source}: no such file (give a .jsonl or .parquet path, or drop data.source)")
     origin = find_origin(name, conf.data, source, include_prepped=True)
-    if origin.label.startswith("hub:"):
-        return  # downloaded (and checked) by `datasets` when loaded
+    if origin.label.startswith("hub:"):  # downloaded (and checked) by `datasets` when loaded
+        from stapoctl.preflight.hub import check_hub_dataset
+
+        check_hub_dataset(origin.label.removeprefix("hub:"), f"{flag} {name}")
+        return
     key = "data.source" if source else f"{flag} {name} ({origin.label})"
     _peek_rows(Path(origin.label), name, key)
 

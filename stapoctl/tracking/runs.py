@@ -210,4 +210,59 @@ def serve_ui(uri: Optional[str], host: str, port: int) -> int:
         "--backend-store-uri", tracking_uri(uri),
         "--host", host, "--port", str(port), "--workers", "1",
     ]
-    return subprocess.call(cmd, env=env)
+    return run_process_group(cmd, env)
+
+
+def run_process_group(cmd: list[str], env: dict, grace_s: float = 5.0) -> int:
+    """Run `cmd` in its own process group until it exits or we get SIGTERM/SIGHUP/SIGINT, then
+    end the whole group: `mlflow server` forks a uvicorn child that outlives a signal to its
+    parent and keeps the port (and a closed terminal or a batch scheduler sends SIGHUP/SIGTERM)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    got: list[int] = []
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        try:
+            previous[sig] = signal.signal(sig, lambda signum, _frame: got.append(signum))
+        except ValueError:  # not the main thread: the caller owns the signals
+            break
+    try:
+        while proc.poll() is None and not got:
+            try:
+                proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        end_process_group(proc, grace_s)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 + got[0] if got else int(proc.returncode or 0)
+
+
+def end_process_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to every process of `proc`'s group, SIGKILL to what is left after `grace_s`."""
+    import signal
+    import time
+
+    def signal_group(sig) -> bool:
+        try:
+            os.killpg(proc.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):  # the group is gone
+            return False
+
+    if not signal_group(signal.SIGTERM):
+        proc.poll()
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader so the group can empty
+        if not signal_group(0):
+            return
+        time.sleep(0.1)
+    signal_group(signal.SIGKILL)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass

@@ -253,7 +253,9 @@ def _save(engines, run_dir: Path, step: int, sampler_state: dict, run_id: str, b
         "saved_at": time.time(),
         "config": OmegaConf.to_container(conf, resolve=True),
     }
-    return checkpoint.save(run_dir, step, payload, state)
+    saved = checkpoint.save(run_dir, step, payload, state)
+    checkpoint.prune(run_dir, int(conf.trainer.get("keep_checkpoints") or 0), saved)
+    return saved
 
 
 @contextlib.contextmanager
