@@ -65,6 +65,13 @@ def test_three_seeds_against_three_cannot_reach_significance():
     assert st.p_floor(5, 5) == pytest.approx(2 / 252)
 
 
+def test_one_seed_per_row_is_too_few_not_an_error():
+    """A sweep with seeds=[0] (the end-to-end sweep tests run one): no test is possible."""
+    rows = st.against([st.Sample("a", [0.5], ["0"]), st.Sample("b", [0.6], ["0"])], "a", delta=0.02)
+    assert rows[1].verdict == "too few seeds" and rows[1].p_value is None
+    assert rows[1].p_floor == 1.0 and rows[1].ci95 is None  # 2 / C(2, 1)
+
+
 def test_seeds_needed_matches_the_textbook_value():
     # Cohen's d = 1, two-sample two-sided α = .05, power .8 → 17 per group (G*Power, pwr.t.test)
     assert st.seeds_needed(1.0, 1.0) == 17

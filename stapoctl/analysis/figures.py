@@ -178,7 +178,7 @@ def accuracy_vs_value(comp: Any, path: Path) -> Optional[Path]:
     ax.minorticks_off()
     ax.set_xlabel(comp.key)
     ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"final accuracy vs {comp.key} ({ERR_TITLE})", fontsize=10)
+    ax.set_title(f"final accuracy vs {comp.key}\n({ERR_TITLE})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -210,7 +210,7 @@ def accuracy_by_group(comp: Any, path: Path) -> Optional[Path]:
     ax.set_xticklabels(groups, fontsize=9, rotation=20 if max(len(g) for g in groups) > 12 else 0, ha="right"
                        if max(len(g) for g in groups) > 12 else "center")
     ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"final accuracy by {comp.key} ({ERR_TITLE})", fontsize=10)
+    ax.set_title(f"final accuracy by {comp.key}\n({ERR_TITLE})", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -103,7 +103,7 @@ def permutation_p(row: Sequence[float], base: Sequence[float]) -> Optional[float
     """Two-sided unpaired permutation p of the difference of means (exact for small n)."""
     from scipy import stats
 
-    if not row or not base:
+    if min(len(row), len(base)) < 2:  # scipy needs two observations per sample; the floor is ≥ 1/3 anyway
         return None
     res = stats.permutation_test((np.asarray(row, float), np.asarray(base, float)), _mean_diff,
                                  permutation_type="independent", vectorized=True,

@@ -38,7 +38,7 @@ def _prepare(conf: DictConfig, overrides: Sequence[str]) -> DictConfig:
     conf = presets.apply(conf, overrides)
     from stapoctl.trainer.setup import check_config
 
-    check_config(conf)  # fail now, not after the job waited in a queue
+    check_config(conf, here=conf.cluster.name == "local" and not conf.cluster.address)  # fail now, not after the queue
     return conf
 
 

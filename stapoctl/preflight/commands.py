@@ -22,13 +22,13 @@ from stapoctl.preflight.model import check_model
 from stapoctl.preflight.resume import check_resume
 
 
-def validate_train(conf: DictConfig) -> None:
+def validate_train(conf: DictConfig, *, hub: bool = True) -> None:
     """Everything `stapoctl train` needs, checked before an MLflow run, a run dir or Ray exists."""
     validate_config(conf)
     if conf.resume:
         check_resume(conf)
     check_machine(conf)
-    check_dataset(conf, train_dataset(conf))
+    check_dataset(conf, train_dataset(conf), hub=hub)
     if int(conf.eval.every_n_steps or 0) > 0:  # periodic validation reads the benchmarks too
         from stapoctl.data.benches import expand_benches
 
@@ -37,12 +37,14 @@ def validate_train(conf: DictConfig) -> None:
         except UserError as exc:
             raise UserError(f"eval.benches: {str(exc).removeprefix('--bench ')}") from None
         for bench in benches:
-            check_dataset(conf, bench, flag="eval.benches")
+            check_dataset(conf, bench, flag="eval.benches", hub=hub)
     if conf.model.path and not conf.resume:
         check_model(conf, str(conf.model.path), "model.path", context_key="rollout.max_response_length")
     elif conf.model.path and float(conf.loss.get("kl_coef") or 0) > 0:
         # a resumed run starts from its checkpoint, but its KL reference is still the base model
         check_model(conf, str(conf.model.path), "model.path (the frozen reference of loss.kl_coef > 0)")
+    if not hub:  # submitted: the job checks the hub cache where it runs (its node's cache and network)
+        return
     if conf.model.path and (not conf.resume or float(conf.loss.get("kl_coef") or 0) > 0):
         check_hub_model(str(conf.model.path), "model.path")
     if conf.reward.get("model_verifier"):

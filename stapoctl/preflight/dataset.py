@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 from stapoctl.errors import UserError
 
 
-def check_dataset(conf: DictConfig, name: str, flag: str = "data.name") -> None:
+def check_dataset(conf: DictConfig, name: str, flag: str = "data.name", *, hub: bool = True) -> None:
     """The local file a dataset is read from: present, UTF-8, not empty, with problem and answer."""
     from stapoctl.data import sources as S
     from stapoctl.data.origin import find_origin
@@ -24,7 +24,8 @@ def check_dataset(conf: DictConfig, name: str, flag: str = "data.name") -> None:
     if origin.label.startswith("hub:"):  # downloaded (and checked) by `datasets` when loaded
         from stapoctl.preflight.hub import check_hub_dataset
 
-        check_hub_dataset(origin.label.removeprefix("hub:"), f"{flag} {name}")
+        if hub:
+            check_hub_dataset(origin.label.removeprefix("hub:"), f"{flag} {name}")
         return
     key = "data.source" if source else f"{flag} {name} ({origin.label})"
     _peek_rows(Path(origin.label), name, key)

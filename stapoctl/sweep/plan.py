@@ -105,7 +105,7 @@ def check_plan(definition: SweepDefinition, extra: tuple[str, ...] = ()) -> dict
         if trial.value in confs:
             continue
         conf = compose_trial(trial)
-        check_config(conf)
+        check_config(conf, here=conf.cluster.name == "local" and not conf.cluster.address)
         if int(conf.eval.every_n_steps or 0) <= 0:
             raise UserError(
                 f"eval.every_n_steps={conf.eval.every_n_steps}: a sweep's trials must validate (at least at "

@@ -17,11 +17,12 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 
-def check_config(conf: DictConfig) -> None:
-    """Everything that would otherwise fail minutes in, inside an actor (see `config.validate`)."""
+def check_config(conf: DictConfig, *, here: bool = True) -> None:
+    """Everything that would otherwise fail minutes in, inside an actor (see `config.validate`).
+    `here=False` (a job submitted elsewhere): the hub cache is checked by the job where it runs."""
     from stapoctl.preflight.commands import validate_train
 
-    validate_train(conf)
+    validate_train(conf, hub=here)
 
 
 def resolve_policy(conf: DictConfig, console: Console) -> str:
