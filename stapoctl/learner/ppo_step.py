@@ -74,8 +74,9 @@ class PPOStep:
         return token_stats(hidden, labels, lm_head_weight=model.get_output_embeddings().weight,
                            chunk_size=chunk, temperature=self.temperature, return_sum_p2=True, **grad)
 
-    def _no_grad_pass(self, batch, rows: slice):
-        """Entropy, log-prob and sum p² of batch[rows], micro-batch by micro-batch, no grad."""
+    def _no_grad_pass(self, batch, rows: slice, model=None):
+        """Entropy, log-prob and sum p² of batch[rows], micro-batch by micro-batch, no grad
+        (`model`: the frozen reference instead of the policy)."""
         import torch
 
         ents, lps, p2s = [], [], []
@@ -84,7 +85,7 @@ class PPOStep:
         try:
             with torch.no_grad():
                 for sl in plan_micro_batches(len(sub), self.micro):
-                    ent, lp, p2 = self._token_stats(sub.select(sl))
+                    ent, lp, p2 = self._token_stats(sub.select(sl), model=model)
                     ents.append(ent.float().cpu()), lps.append(lp.float().cpu()), p2s.append(p2.float().cpu())
         finally:
             self.module.train()

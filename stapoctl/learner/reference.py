@@ -45,14 +45,6 @@ class ReferencePolicy:
         `compute_log_probs` but through the reference's weights."""
         import torch
 
-        from stapoctl.learner.ppo_step import plan_micro_batches
-
         mine = self._my_rows(len(batch))
-        sub = batch.select(mine)
-        out = []
-        with torch.no_grad():
-            for sl in plan_micro_batches(len(sub), self.micro):
-                _, lp, _ = self._token_stats(sub.select(sl), model=self.reference)
-                out.append(lp.float().cpu())
-        lp = torch.where(batch.response_mask[mine], torch.cat(out), 0.0)
-        return self._all_gather_rows(lp)
+        _, lp, _ = self._no_grad_pass(batch, mine, model=self.reference)
+        return self._all_gather_rows(torch.where(batch.response_mask[mine], lp, 0.0))
