@@ -30,6 +30,7 @@ NOT_IN_ALL = (
     "sweep_overhead",  # per-trial overhead of a sweep on reused engines (docs/SWEEPS.md), ~6 min
     "sweep_summary",  # a report over a finished sweep: needs its id
     "gpu_learner",  # the learner step on a CUDA GPU (results/gpu/): `all` runs on the machine at hand
+    "gpu_kit",  # a lent GPU's one call: learner memory vs the plan, CUDA IPC, NCCL (results/gpu/)
 )
 
 
@@ -61,7 +62,8 @@ def main(argv: list[str]) -> int:
     load = os.getloadavg()[0]
     if load > 1.5:
         console.print(f"[yellow]warning:[/] load average {load:.1f} on {os.cpu_count()} cores: other work is "
-                      "running and the timings will be noisy (run under `heavy --exclusive` on a quiet machine)")
+                      "running and the timings will be noisy (run when nothing else does: a 1-minute load "
+                      "average below 1.5, see `uptime`)")
     failed, t0 = [], time.perf_counter()
     for name, path in scripts().items():
         console.rule(f"[bold]bench {name}")

@@ -34,23 +34,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _harness as H  # noqa: E402
 
+from stapoctl.config.shapes import QWEN3_SHAPES, known_shape  # noqa: E402
+
 TARGET = 1.03
-SHAPES = {  # Qwen3 shapes (config.json of the hub models), random weights
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-}
-VOCAB = 151_936
+# --shape name -> the hub id whose architecture fields (stapoctl/config/shapes.py) the random model takes
+SHAPES = {hub_id.split("/")[-1].removesuffix("-Base").lower(): hub_id for hub_id in QWEN3_SHAPES}
+VOCAB = QWEN3_SHAPES["Qwen/Qwen3-0.6B-Base"]["vocab_size"]  # 151,936, every Qwen3 size
 
 
-def build_model(shape: str, out: Path) -> tuple[str, int]:
+def qwen3_config(shape: str):
+    """A transformers Qwen3Config of a --shape name or hub id, from the table (random weights)."""
+    from transformers import Qwen3Config
+
+    fields = known_shape(SHAPES.get(shape, shape))
+    if fields is None:
+        raise ValueError(f"no Qwen3 shape {shape!r} (have: {', '.join(SHAPES)})")
+    fields.pop("model_type", None)
+    return Qwen3Config(**fields)
+
+
+def build_model(shape: str, out: Path, seed: int = 0) -> tuple[str, int]:
+    """A random-init bf16 Qwen3 of `shape` (a --shape name or hub id) saved to `out`; (dir, params)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=VOCAB, max_position_embeddings=40960, rope_theta=1_000_000.0,
-                      rms_norm_eps=1e-6, **SHAPES[shape])
-    torch.manual_seed(0)
+    cfg = qwen3_config(shape)
+    torch.manual_seed(seed)
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())

@@ -14,6 +14,8 @@ Layout (a contract with `stapoctl eval` and `models.resolve`):
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -29,6 +31,7 @@ from stapoctl.tracking.run_ids import looks_like_run_id, run_dir_of
 TRAINER_STATE = "trainer_state.json"
 MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left on the device; the user's disk quota is used up
 
 
 def step_dir_name(step: int) -> str:
@@ -36,7 +39,10 @@ def step_dir_name(step: int) -> str:
 
 
 def save(run_dir: Path, step: int, write_payload: Callable[[Path], None], trainer_state: dict) -> Path:
-    """`write_payload(tmp_dir)` fills model/ and state/; we add trainer_state.json and publish."""
+    """`write_payload(tmp_dir)` fills model/ and state/; we add trainer_state.json and publish.
+
+    A write that fails because the disk is full raises an `OSError` ENOSPC / EDQUOT (whatever
+    the writer raised, see `disk_full`) once the partial write is removed."""
     ckpt_root = Path(run_dir) / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / step_dir_name(step)
@@ -53,10 +59,56 @@ def save(run_dir: Path, step: int, write_payload: Callable[[Path], None], traine
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
+    except Exception as exc:
+        full = disk_full(exc, tmp)  # probed before the partial write goes (it fills the disk)
+        if full is None:
+            raise
+        raise full from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _write_atomic(ckpt_root / "latest", final.name + "\n")
+    try:
+        _write_atomic(ckpt_root / "latest", final.name + "\n")
+    except OSError:
+        pass  # only a hint: `latest_step_dir` takes the newest verified step dir anyway
     return final
+
+
+def disk_full(exc: BaseException, where: Optional[Path] = None) -> Optional[OSError]:
+    """The `OSError` ENOSPC / EDQUOT behind `exc`, else None.
+
+    Looked for in the exception's chain (`__cause__`, `__context__`, and `cause`: what a Ray task
+    raised); a writer that loses the errno (`torch.save` raises "iostream error" / "unexpected
+    pos") is recognised by a small probe write at `where` that fails with it."""
+    seen: set[int] = set()
+    todo: list[Optional[BaseException]] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            return OSError(e.errno, os.strerror(e.errno), e.filename or (str(where) if where else None))
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+    return _probe_full(Path(where)) if where is not None else None
+
+
+def _probe_full(where: Path, size: int = 1 << 20) -> Optional[OSError]:
+    if not where.is_dir():
+        return None
+    try:
+        with tempfile.TemporaryFile(dir=where) as f:
+            f.write(b"\0" * size)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.errno in DISK_FULL:
+            return OSError(e.errno, os.strerror(e.errno), str(where))
+    return None
+
+
+def step_size(step_dir: Path) -> int:
+    """Bytes of a step dir's files."""
+    return sum(p.stat().st_size for p in Path(step_dir).rglob("*") if p.is_file())
 
 
 def prune(run_dir: Path, keep: int, newest: Path) -> list[Path]:
@@ -154,9 +206,14 @@ def _fsync_tree(root: Path) -> None:
 
 def _write_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def step_dirs(run_dir: Path) -> list[Path]:

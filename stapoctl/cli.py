@@ -58,9 +58,9 @@ def train(
     if dry_run or cfg is not None:
         if cfg not in (None, "job"):
             fail(f"--cfg '{cfg}' is not supported: use --cfg job")
-        from stapoctl.launch.plan import print_plan
+        from stapoctl.preflight.plan_report import dry_run as print_dry_run
 
-        print_plan(conf, console)
+        print_dry_run(conf, console)  # a plan that cannot fit ends the dry run with exit 2 too
         return
     from stapoctl.launch.import_gc import paused_gc
 
@@ -70,6 +70,23 @@ def train(
 
     run_train(conf, console=console)
     _exit_now()
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def plan(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    as_json: bool = typer.Option(False, "--json", help="The plan as JSON (for scripts)"),
+) -> None:
+    """Memory per role and GPU (learner, reference, vLLM KV cache) and checkpoint disk, before a run:
+    exit 2 when it cannot fit."""
+    conf = _compose(overrides)
+    if conf.cluster.preset:  # the site preset's GPU memory, as `submit` would apply it
+        from stapoctl.jobs.presets import apply
+
+        conf = apply(conf, list(overrides or []))
+    from stapoctl.preflight.plan_report import plan_command
+
+    plan_command(conf, console, as_json=as_json)  # a plan that cannot fit: PlanRefused, exit 2
 
 
 @app.command(name="eval")
@@ -143,6 +160,19 @@ def submit(
     raise typer.Exit(submit_run(conf, list(overrides or []), dry_run=dry_run, follow=follow, console=console))
 
 
+@app.command(context_settings={"allow_extra_args": False})
+def doctor(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    no_wait: bool = typer.Option(False, "--no-wait", help="cluster=ray|slurm: print the job id, do not wait"),
+    as_json: bool = typer.Option(False, "--json", help="The rows as one JSON document instead of the table"),
+) -> None:
+    """Self-test where a run would go (here, or cluster=ray|slurm as a short job): versions, GPUs, all-reduce,
+    vLLM engine + KV cache, weight sync, MLflow, model, data, SLURM, disk. Exit 0 when every applicable row passes."""
+    from stapoctl.doctor.command import doctor_command
+
+    raise typer.Exit(doctor_command(_compose(overrides), list(overrides or []), console, as_json=as_json, wait=not no_wait))
+
+
 ADDRESS_HELP = "Ray job server (http://HOST:8265) for a Ray job not submitted from here"
 
 
@@ -212,6 +242,7 @@ def compare(
                                            "(default grpo if a row, else the first row)"),
     seeds_needed: Optional[float] = typer.Option(None, "--seeds-needed", help="Difference D (table units, "
                                                  "points for accuracy): seeds per row to detect it at 80% power"),
+    rows: Optional[str] = typer.Option(None, "--rows", help="Only these rows, comma-separated (e.g. an ablation's)"),
     uri: Optional[str] = typer.Option(None, "--uri"),
 ) -> None:
     """Table 2 of the paper (rows: methods or swept values; mean ± std over seeds), each row
@@ -220,7 +251,7 @@ def compare(
     from stapoctl.analysis.compare import compare as run_compare
 
     run_compare(uri, ids, console, metrics=metric or (), out=out, test_metric=test_metric, baseline=baseline,
-                seeds_delta=seeds_needed)
+                seeds_delta=seeds_needed, rows=[r.strip() for r in (rows or "").split(",") if r.strip()])
 
 
 @app.command()
@@ -273,7 +304,8 @@ def bench(
     Common options: --repeats N, --quick (smoke run, nothing saved), --write-docs (one script);
     `all` runs every script, saves benchmarks/results/*.json and rewrites docs/PERFORMANCE.md.
     Script options pass through, e.g. `stapoctl bench rl_step --sizes tiny`. Timings are only
-    comparable on a quiet machine: run under `heavy --exclusive` here.
+    comparable on a quiet machine: nothing else running, a 1-minute load average (`uptime`) below
+    1.5 on 2 cores (`all` warns above it; every row records the load it saw).
     """
     import subprocess
 

@@ -167,6 +167,20 @@ def test_gpu_learner_without_a_gpu_says_so_in_one_line():
     assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "Traceback" not in out.stderr
 
 
+def test_learner_budget_batch_spreads_lengths_and_its_sides_name_the_budget():
+    import learner_budget
+
+    batch, rewards = learner_budget.fixed_batch(512)
+    lengths = batch.response_mask.sum(1)
+    assert len(batch) == learner_budget.PROMPTS * learner_budget.N
+    assert int(lengths.max()) <= 384 and int(lengths.max()) >= 4 * int(lengths.min())  # a spread >= 4x
+    assert int(batch.prompt_length) + int(lengths.max()) <= 512  # the 25M model's context
+    groups = rewards.view(learner_budget.PROMPTS, learner_budget.N)
+    assert bool((groups.max(1).values == 1).all() and (groups.min(1).values == -1).all())
+    assert learner_budget.SIDES["fixed"]["micro_batch_size"] == 8
+    assert {k for k in learner_budget.SIDES if k.startswith("budget")} == {"budget_rows", "budget_prompts"}
+
+
 def test_loss_clock_times_the_loss_library_and_restores_it():
     import torch
 

@@ -43,7 +43,8 @@ def test_separated_rows_are_better_and_worse():
     base, up, down = rows
     assert base.verdict == "baseline" and base.diff is None and base.ci95
     # 6 vs 6: 924 splits, the observed one the most extreme either way → exact p = 2/924
-    assert up.p_value == pytest.approx(2 / 924) and up.p_floor == pytest.approx(2 / 924)
+    # p floor after Holm over the 2 tested rows: 2 x 2/924
+    assert up.p_value == pytest.approx(2 / 924) and up.p_floor == pytest.approx(2 * 2 / 924)
     assert up.p_holm == pytest.approx(2 * 2 / 924)
     assert up.verdict == "better" and down.verdict == "worse"
     assert up.diff == pytest.approx(0.2)
@@ -63,6 +64,22 @@ def test_three_seeds_against_three_cannot_reach_significance():
     assert rows[1].p_value == pytest.approx(0.1)
     assert rows[1].verdict == "too few seeds"
     assert st.p_floor(5, 5) == pytest.approx(2 / 252)
+
+
+def test_holm_over_many_rows_raises_the_floor_to_too_few_seeds():
+    """5 vs 5 seeds reach p = 2/252 = 0.0079 at best; Holm over 8 rows multiplies it to 0.063: even
+    rows far apart cannot be called better/worse, and the verdict says so instead of 'within noise'."""
+    base = [0.60, 0.61, 0.62, 0.63, 0.64]
+    samples = [st.Sample("grpo", base)] + [st.Sample(f"m{i}", [v - 0.1 - 0.01 * i for v in base]) for i in range(8)]
+    rows = st.against(samples, "grpo")
+    far = rows[1]
+    assert far.p_value == pytest.approx(2 / 252)
+    assert far.p_floor == pytest.approx(8 * 2 / 252) and far.p_holm == pytest.approx(8 * 2 / 252)
+    assert far.verdict == "too few seeds"
+    assert st.seeds_for_a_verdict(8) == 6  # 2 / C(12, 6) x 8 = 0.017 < 0.05; 5 seeds: 0.063
+    assert st.seeds_for_a_verdict(1) == 4  # 2 / C(8, 4) = 0.029; 3 vs 3: 0.1
+    three = st.against(samples[:4], "grpo")  # Holm over 3 rows: 3 x 0.0079 = 0.024 < 0.05
+    assert three[1].verdict == "worse"
 
 
 def test_one_seed_per_row_is_too_few_not_an_error():

@@ -136,7 +136,7 @@ def test_the_command_line_reports_a_typo_in_one_line():
     assert lines == ["error: unknown config key 'loss.tau_q'; did you mean 'loss.tau_p'?"]
     res = subprocess.run([sys.executable, "-m", "stapoctl.cli", "sweep", "tau_p", "--dry-run", "cluster=slurm"],
                          capture_output=True, text=True, timeout=120, env=env)
-    assert res.returncode == 0 and "would go out as one SLURM job array; nothing was submitted" in res.stdout
+    assert res.returncode == 0 and "would go out as one SLURM job array (16 at once); nothing was submitted" in res.stdout
 
 
 # -- per-value overrides: {value: NAME, set: [key=value, …]} ------------------------------------------

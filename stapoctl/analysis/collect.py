@@ -50,6 +50,7 @@ class Comparison:
     sweeps: list[Any]  # the sweep parent runs compared (artifacts go there)
     numeric: bool  # row labels are numbers (accuracy vs value on an x axis)
     short: dict[str, str]  # run id → short id
+    notes: list[str] = field(default_factory=list)  # one line each: runs left out (a (value, seed) twice)
 
     @property
     def trials(self) -> list[Trial]:
@@ -130,41 +131,30 @@ def _finals(run, evals: list) -> dict[tuple[str, str], tuple[float, int, str]]:
 
 
 def collect(uri: Optional[str], ids: Sequence[str]) -> Comparison:
-    """Resolve ids (full or short), expand sweeps to their trials, group, read final accuracies."""
+    """Resolve ids (full or short), expand sweeps to their trials, group, read final accuracies.
+
+    Sweeps of one key merge by swept value: seeds 3–4 added later as another sweep, or two sweeps
+    that share values (`ablation` and `baselines` both run grpo and stapo), give one row per
+    value. A (value, seed) present twice (in two sweeps, or an earlier attempt of a trial) counts
+    once: the newer FINISHED run is kept and `notes` says which run was dropped. Sweeps of
+    different keys are refused in one line."""
     if not ids:
         raise UserError("compare: give a sweep id or one or more run ids (see `stapoctl runs`)")
     client = mlflow_client(uri)
-    runs, sweeps = [], []
-    for spec in ids:
-        run = client.get_run(resolve_run_id(spec, uri, what="compare"))
-        kids = _children(client, run)
-        if _is_sweep(run, kids):
-            if not kids:
-                raise UserError(f"compare: sweep {spec} has no trial runs yet (nested runs with "
-                                f"tag {keys.PARENT}={run.info.run_id})")
-            sweeps.append(run)
-            runs += kids
-        else:
-            runs.append(run)
-    seen = set()
-    runs = [r for r in runs if not (r.info.run_id in seen or seen.add(r.info.run_id))]
+    runs, sweeps = _expand(client, uri, ids)
     evals = _nested_evals(client, runs)
-
-    sweep_keys = {s.data.params.get(keys.SWEEP_KEY, "") for s in sweeps}
-    by_value = sweeps and all(keys.SWEEP_VALUE in r.data.tags for r in runs) and len(sweep_keys) == 1
-    if by_value:
-        key = sweep_keys.pop() or "value"
-        label_of = {r.info.run_id: r.data.tags[keys.SWEEP_VALUE] for r in runs}
+    short = short_ids(_all_ids(client, runs))
+    notes: list[str] = []
+    key, label_of = _labels(runs, sweeps, short)
+    if key is not None:
+        runs, notes = _one_per_trial(runs, label_of, key, short)
+        running = [r for r in runs if r.info.status == "RUNNING"]
+        if running and len(running) < len(runs):  # a sweep still under way: its finished trials only
+            runs = [r for r in runs if r.info.status != "RUNNING"]
+            notes.append(f"compare: left out {len(running)} trial(s) still RUNNING "
+                         f"({', '.join(short.get(r.info.run_id, r.info.run_id[:8]) for r in running)})")
     else:
-        diff = _differing_params(runs)
-        key = ", ".join(diff) if diff else "runs"
-        if len(diff) == 1:
-            label_of = {r.info.run_id: r.data.params.get(diff[0], "") for r in runs}
-        elif diff:
-            label_of = {r.info.run_id: ", ".join(f"{d}={r.data.params.get(d, '')}" for d in diff) for r in runs}
-        else:  # identical configs: one row (seeds of one method), or each run if no params at all
-            any_params = any(r.data.params for r in runs)
-            label_of = {r.info.run_id: ("all" if any_params else (r.info.run_name or r.info.run_id[:8])) for r in runs}
+        key, label_of = _param_labels(runs)
     groups: dict[str, list[Trial]] = {}
     for r in runs:
         label = label_of[r.info.run_id]
@@ -173,7 +163,92 @@ def collect(uri: Optional[str], ids: Sequence[str]) -> Comparison:
     numeric = len(groups) > 1 and all(v is not None for v in numbers.values())
     if numeric:
         groups = dict(sorted(groups.items(), key=lambda kv: numbers[kv[0]]))
-    return Comparison(key, groups, sweeps, numeric, short_ids(_all_ids(client, runs)))
+    return Comparison(key, groups, sweeps, numeric, short, notes)
+
+
+def _expand(client, uri: Optional[str], ids: Sequence[str]) -> tuple[list, list]:
+    """(the runs, the sweeps among the ids): a sweep stands for its trial runs."""
+    runs, sweeps = [], []
+    for spec in ids:
+        run = client.get_run(resolve_run_id(spec, uri, what="compare"))
+        kids = _children(client, run)
+        if _is_sweep(run, kids):
+            if not kids:
+                raise UserError(f"compare: sweep {spec} has no trial runs yet (nested runs with "
+                                f"tag {keys.PARENT}={run.info.run_id})")
+            if all(s.info.run_id != run.info.run_id for s in sweeps):
+                sweeps.append(run)
+            runs += kids
+        else:
+            runs.append(run)
+    seen: set[str] = set()
+    return [r for r in runs if not (r.info.run_id in seen or seen.add(r.info.run_id))], sweeps
+
+
+def _labels(runs: list, sweeps: list, short: dict[str, str]) -> tuple[Optional[str], dict[str, str]]:
+    """(the swept key, run id → its value) when every run is a sweep trial, else (None, {}).
+    Values equal as numbers share the first spelling seen (`2e-3` and `0.002`: one row)."""
+    if not sweeps or not all(keys.SWEEP_VALUE in r.data.tags for r in runs):
+        return None, {}
+    by_key: dict[str, Any] = {}
+    for s in sweeps:
+        by_key.setdefault(s.data.params.get(keys.SWEEP_KEY, ""), s)
+    named = {k: s for k, s in by_key.items() if k}
+    if len(named) > 1:
+        (k1, s1), (k2, s2) = list(named.items())[:2]
+        raise UserError(f"compare: sweep {short.get(s1.info.run_id, s1.info.run_id)} varies {k1} and sweep "
+                        f"{short.get(s2.info.run_id, s2.info.run_id)} varies {k2}: sweeps merge only by the same "
+                        "key; compare them one at a time")
+    label_of = {r.info.run_id: r.data.tags[keys.SWEEP_VALUE] for r in runs}
+    values = list(dict.fromkeys(label_of.values()))
+    if all(_number(v) is not None for v in values):
+        first: dict[float, str] = {}
+        same = {v: first.setdefault(_number(v), v) for v in values}
+        label_of = {rid: same[v] for rid, v in label_of.items()}
+    return (next(iter(named), "") or "value"), label_of
+
+
+def _rank(run) -> tuple[bool, int]:
+    """The run a (value, seed) keeps: FINISHED first, then the newer (ended, else started, last)."""
+    return run.info.status == "FINISHED", int(run.info.end_time or run.info.start_time or 0)
+
+
+def _one_per_trial(runs: list, label_of: dict[str, str], key: str, short: dict[str, str]) -> tuple[list, list[str]]:
+    """One run per (value, seed); a note for each run left out."""
+    kept: dict[tuple[str, str], Any] = {}
+    notes: list[str] = []
+
+    def name(run) -> str:
+        sweep = run.data.tags.get(keys.SWEEP_ID, "")
+        return f"{short.get(run.info.run_id, run.info.run_id)} ({run.info.status}, sweep {short.get(sweep, sweep or '?')})"
+
+    for r in runs:
+        seed = _seed(r)
+        slot = (label_of[r.info.run_id], seed or r.info.run_id)  # an unknown seed is never a duplicate
+        have = kept.get(slot)
+        if have is None:
+            kept[slot] = r
+            continue
+        keep, drop = (r, have) if _rank(r) > _rank(have) else (have, r)
+        kept[slot] = keep
+        which = "the newer finished run" if keep.info.status == "FINISHED" else "the newer run (neither finished)"
+        notes.append(f"compare: {key}={slot[0]} seed {seed} appears twice: dropped run {name(drop)}, "
+                     f"kept {which} {name(keep)}")
+    ids = {r.info.run_id for r in kept.values()}
+    return [r for r in runs if r.info.run_id in ids], notes
+
+
+def _param_labels(runs: list) -> tuple[str, dict[str, str]]:
+    """Plain runs: rows by the config values that differ between them (seeds aside)."""
+    diff = _differing_params(runs)
+    key = ", ".join(diff) if diff else "runs"
+    if len(diff) == 1:
+        return key, {r.info.run_id: r.data.params.get(diff[0], "") for r in runs}
+    if diff:
+        return key, {r.info.run_id: ", ".join(f"{d}={r.data.params.get(d, '')}" for d in diff) for r in runs}
+    # identical configs: one row (seeds of one method), or each run if no params at all
+    any_params = any(r.data.params for r in runs)
+    return key, {r.info.run_id: ("all" if any_params else (r.info.run_name or r.info.run_id[:8])) for r in runs}
 
 
 def _nested_evals(client, runs: list) -> dict[str, list]:

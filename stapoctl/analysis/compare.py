@@ -50,6 +50,17 @@ class Tested:
         return stats_heading(self.baseline, self.metric, self.scale)
 
 
+def only_rows(comp: Comparison, rows: Sequence[str]) -> Comparison:
+    """Keep the named rows (e.g. an ablation's four out of two merged sweeps); one line if one is unknown."""
+    if not rows:
+        return comp
+    unknown = [r for r in rows if r not in comp.groups]
+    if unknown:
+        raise UserError(f"compare --rows: no row {', '.join(unknown)} (rows: {', '.join(comp.groups)})")
+    comp.groups = {r: comp.groups[r] for r in rows}
+    return comp
+
+
 def pick_baseline(groups: Sequence[str], baseline: Optional[str]) -> str:
     """--baseline, else `grpo` when it is a row, else the first row."""
     if baseline is None:
@@ -79,11 +90,14 @@ def test_rows(comp: Comparison, test_metric: Optional[str], baseline: Optional[s
 
 def compare(uri: Optional[str], ids: Sequence[str], console: Console, metrics: Sequence[str] = (),
             out: Optional[str] = None, test_metric: Optional[str] = None, baseline: Optional[str] = None,
-            seeds_delta: Optional[float] = None) -> dict[str, Path]:
+            seeds_delta: Optional[float] = None, rows: Sequence[str] = ()) -> dict[str, Path]:
     """Print the tables (the last: statistics against a baseline row); write table.{md,csv,json}
     and the figures to out (a dir; a .png path names the training-curves file, as before); log
-    them to each compared sweep under compare/."""
-    comp = collect(uri, ids)
+    them to each compared sweep under compare/. `rows`: only these rows, in this order (the family
+    a question is about: Holm adjusts over the rows tested)."""
+    comp = only_rows(collect(uri, ids), rows)
+    for note in comp.notes:  # a (value, seed) in two sweeps counts once
+        console.print(f"[yellow]{escape(note)}[/]", highlight=False, soft_wrap=True)
     columns = tuple((m, m) for m in metrics) if metrics else TRAINING_COLUMNS
     tested = test_rows(comp, test_metric, baseline, seeds_delta)
     for heading, table in tables(comp, columns):
@@ -104,7 +118,7 @@ def compare(uri: Optional[str], ids: Sequence[str], console: Console, metrics: S
     rows = records(comp, columns) + stats_records(comp, tested)
     written["table.csv"].write_text(csv_text(rows))
     written["table.json"].write_text(json.dumps(
-        {"key": comp.key, "sweeps": [s.info.run_id for s in comp.sweeps], "rows": rows,
+        {"key": comp.key, "sweeps": [s.info.run_id for s in comp.sweeps], "notes": comp.notes, "rows": rows,
          "statistics": stats_summary(tested),
          "runs": [{"run_id": t.id, "group": t.group, "seed": t.seed, "name": t.run.info.run_name,
                    "finals": {f"{b}/{d}": {"value": v, "k": k, "source": s} for (b, d), (v, k, s) in t.finals.items()}}

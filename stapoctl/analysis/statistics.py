@@ -224,5 +224,18 @@ def against(samples: Sequence[Sample], baseline: str, delta: Optional[float] = N
         r.p_holm = p
     for r in out:
         if r.group != baseline:
+            r.p_floor = holm_floor(r.p_floor, len(tested))
             r.verdict = _verdict(r.diff, r.p_holm, r.p_floor)
     return out
+
+
+def holm_floor(floor: Optional[float], rows: int) -> Optional[float]:
+    """The smallest Holm-adjusted p a row can reach among `rows` tests: Holm multiplies the
+    smallest p by the number of rows, so 5 vs 5 seeds (floor 0.0079) can never pass 0.05 against
+    seven or more other rows, however far apart they are."""
+    return None if floor is None else min(1.0, floor * max(1, rows))
+
+
+def seeds_for_a_verdict(rows: int, cap: int = 50) -> Optional[int]:
+    """Seeds per row (all rows equal) for which Holm over `rows` tests can reach p < ALPHA."""
+    return next((n for n in range(2, cap) if holm_floor(p_floor(n, n), rows) < ALPHA), None)

@@ -23,17 +23,15 @@ from omegaconf import DictConfig, OmegaConf
 from stapoctl import paths
 from stapoctl.errors import UserError
 from stapoctl.config import schema as S
+from stapoctl.config.shapes import QWEN3_SHAPES, preset_name
 
 
 class ConfigError(UserError):
     """A user-facing, one-line configuration error (the CLI prints it without a traceback)."""
 
 
-HF_MODELS = {
-    "qwen3_1.7b": "Qwen/Qwen3-1.7B-Base",
-    "qwen3_8b": "Qwen/Qwen3-8B-Base",
-    "qwen3_14b": "Qwen/Qwen3-14B-Base",
-}
+# model=qwen3_8b etc.: one preset per model of the shapes table (config/shapes.py)
+HF_MODELS = {preset_name(hub_id): hub_id for hub_id in QWEN3_SHAPES}
 
 _registered = False
 
@@ -82,6 +80,7 @@ def register_configs() -> None:
         ("eval", S.EvalConfig),
         ("tracking", S.TrackingConfig),
         ("trainer", S.TrainerConfig),
+        ("plan", S.PlanConfig),
     ):
         cs.store(group=group, name="default", node=node())
     for name in ("local", "ray", "slurm"):

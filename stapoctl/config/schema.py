@@ -149,7 +149,12 @@ class LearnerConfig:
     adam_eps: float = spec(1e-8, range=POSITIVE)
     grad_clip: float = spec(1.0, range=NON_NEGATIVE)
     ppo_mini_batch_size: int = spec(64, range=POSITIVE_INT)  # prompts per optimizer step
-    micro_batch_size: int = spec(8, range=POSITIVE_INT)  # sequences per forward/backward
+    micro_batch_size: int = spec(8, range=POSITIVE_INT)  # sequences per forward/backward (a cap under a token budget)
+    # micro-batches cut by length to at most this many padded tokens, rows x (prompt + response width);
+    # 0 = off: fixed micro_batch_size rows (learner/micro_batches.py; docs/TRAINING.md)
+    max_tokens_per_micro_batch: int = spec(0, range=NON_NEGATIVE)
+    # the same for the no-grad old-log-prob and reference passes; 0 = twice max_tokens_per_micro_batch
+    log_prob_max_tokens_per_micro_batch: int = spec(0, range=NON_NEGATIVE)
     ppo_epochs: int = spec(1, range=POSITIVE_INT)
     logits_chunk_size: int = spec(1024, range=POSITIVE_INT)
     gradient_checkpointing: bool = False
@@ -251,6 +256,8 @@ class ClusterConfig:
     constraint: Optional[str] = None
     nodes: int = 1  # > 1: a Ray head on the first node, Ray workers on the others
     gpus_per_node: int = 8
+    # one GPU's memory for `stapoctl plan` where no GPU is visible (a login node; SLURM presets set it)
+    gpu_mem_gb: float = spec(80.0, range=POSITIVE)
     cpus_per_task: int = 16  # one task per node: the driver (1 node) or a Ray node
     mem_gb: Optional[float] = None  # per node; None: the site's default
     timeout_min: int = 60 * 24
@@ -295,6 +302,14 @@ class TrainerConfig:
 
 
 @dataclass
+class PlanConfig:
+    """`stapoctl plan` (preflight/memory_plan.py): train, submit and sweep refuse a run whose plan
+    cannot fit a GPU, the host or the checkpoint disk; false turns that into a warning."""
+
+    enforce: bool = True
+
+
+@dataclass
 class StapoctlConfig:
     defaults: List[Any] = field(
         default_factory=lambda: [
@@ -308,6 +323,7 @@ class StapoctlConfig:
             {"tracking": "default"},
             {"cluster": "local"},
             {"trainer": "default"},
+            {"plan": "default"},
             "_self_",
         ]
     )
@@ -323,6 +339,7 @@ class StapoctlConfig:
     tracking: TrackingConfig = MISSING
     cluster: ClusterConfig = MISSING
     trainer: TrainerConfig = MISSING
+    plan: PlanConfig = MISSING
 
 
 # the config groups a user overrides as `group.key=value`, and the schema of each
@@ -336,4 +353,5 @@ GROUP_SCHEMAS = {
     "tracking": TrackingConfig,
     "cluster": ClusterConfig,
     "trainer": TrainerConfig,
+    "plan": PlanConfig,
 }

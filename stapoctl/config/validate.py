@@ -10,7 +10,7 @@ checked by `stapoctl.preflight`, a layer above the engines it consults.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -80,7 +80,11 @@ def _check_cross_fields(conf: DictConfig) -> None:
             f"learner.ppo_mini_batch_size={lrn.ppo_mini_batch_size}: make the mini-batch divide the batch"
         )
     mini_rows, ranks = lrn.ppo_mini_batch_size * r.n, learner_ranks(lrn)
-    if mini_rows > lrn.micro_batch_size * ranks and mini_rows % (lrn.micro_batch_size * ranks):
+    conflict = token_budget_conflict(lrn, conf.loss)
+    if conflict:
+        raise UserError(conflict)
+    budget = int(lrn.get("max_tokens_per_micro_batch") or 0)  # on: micro_batch_size only caps the rows
+    if not budget and mini_rows > lrn.micro_batch_size * ranks and mini_rows % (lrn.micro_batch_size * ranks):
         raise UserError(
             f"learner.ppo_mini_batch_size={lrn.ppo_mini_batch_size} × rollout.n={r.n} = {mini_rows} sequences "
             f"do not split into micro-batches of learner.micro_batch_size={lrn.micro_batch_size} × {ranks} "
@@ -104,6 +108,23 @@ def _check_cross_fields(conf: DictConfig) -> None:
                         "lower reward.overlong_buffer or raise rollout.max_response_length")
     if not conf.model.path:  # the embedded model: its context is in the config
         check_context(conf, int(conf.model.tiny.max_position_embeddings), "model.tiny.max_position_embeddings")
+
+
+def token_budget_conflict(learner: Any, loss: Any) -> Optional[str]:
+    """Why `learner.max_tokens_per_micro_batch` cannot be used with these settings (one line), or
+    None; the learner asks too, for a config that did not come through here."""
+    budget = int(learner.get("max_tokens_per_micro_batch", 0) or 0)
+    if not budget:
+        return None
+    if int(learner.get("zero_stage", 0) or 0) == 3:
+        return (f"learner.max_tokens_per_micro_batch={budget} needs learner.zero_stage <= 2: under ZeRO-3 the "
+                "learner forwards every micro-batch at the whole batch's widths, so a token budget saves nothing: "
+                "set it to 0")
+    if loss is not None and loss.get("per_microbatch_norm", False):
+        return (f"learner.max_tokens_per_micro_batch={budget} with loss.per_microbatch_norm=true: that loss "
+                "normalises each micro-batch by its own count, so a cut by length changes the update: "
+                "set one of them off")
+    return None
 
 
 def check_context(conf: DictConfig, context: int, where: str) -> None:

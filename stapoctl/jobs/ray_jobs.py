@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 from urllib.parse import urlparse
 
 from rich.console import Console
@@ -124,8 +124,10 @@ class RayJobSpec:
                 "metadata": self.metadata, "entrypoint_num_cpus": self.entrypoint_num_cpus}
 
 
-def job_spec(conf, overrides: list[str], run_name: str, tracking_uri: str) -> RayJobSpec:
-    """The Ray job for `train` with these overrides: entrypoint, runtime env, metadata."""
+def job_spec(conf, overrides: list[str], run_name: str, tracking_uri: str,
+             command: Sequence[str] = ("-m", "stapoctl.cli", "train")) -> RayJobSpec:
+    """The Ray job for `train` (or another `command` of the interpreter, e.g. `stapoctl doctor`'s
+    job body) with these overrides: entrypoint, runtime env, metadata."""
     address = normalize_address(conf.cluster.address)
     mode = str(conf.cluster.ship_code or "auto")
     if mode not in ("auto", "path", "upload"):
@@ -133,7 +135,7 @@ def job_spec(conf, overrides: list[str], run_name: str, tracking_uri: str) -> Ra
     if mode == "auto":
         mode = "path" if is_loopback(address) else "upload"
     args = [o for o in overrides if o.partition("=")[0].lstrip("+~") not in ("cluster.address", "tracking.run_name")]
-    args += ["cluster.address=auto", f"tracking.run_name={run_name}"]
+    args += ["cluster.address=auto", f"tracking.run_name={_hydra_string(run_name)}"]
     # A driver's own ray.init(runtime_env=...) may set env vars the job also sets: let it win.
     env_vars = {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "PYTHONUNBUFFERED": "1"}
     if mode == "path":
@@ -149,10 +151,20 @@ def job_spec(conf, overrides: list[str], run_name: str, tracking_uri: str) -> Ra
         python = conf.cluster.python or "python"
         runtime_env = {"working_dir": str(paths.project_root()), "excludes": list(UPLOAD_EXCLUDES),
                        "env_vars": env_vars}
-    entrypoint = shlex.join([python, "-m", "stapoctl.cli", "train", *args])
+    entrypoint = shlex.join([python, *command, *args])
     metadata = {"stapoctl.run_name": run_name, "stapoctl.experiment": str(conf.experiment),
                 "stapoctl.ship_code": mode}
     return RayJobSpec(address, entrypoint, runtime_env, metadata)
+
+
+def _hydra_string(text: str) -> str:
+    """A value Hydra reads back as is: quoted when it holds `=`, `,`, spaces or brackets (a
+    sweep trial's run name `tau_p=2e-3-seed0`)."""
+    import re
+
+    if re.fullmatch(r"[\w.\-/:@+]*", text):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def submit(spec: RayJobSpec) -> str:

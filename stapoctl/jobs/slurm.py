@@ -219,9 +219,15 @@ def _executor(conf, p: Plan) -> submitit.SlurmExecutor:
 
 def submit_train(conf, p: Plan) -> str:
     """Submit one training job; returns its SLURM job id."""
+    return submit_body(conf, p, TrainJob(p.job_overrides, str(p.folder)))
+
+
+def submit_body(conf, p: Plan, body: Any) -> str:
+    """Submit one job whose body is `body` (a picklable callable: `TrainJob`, `stapoctl doctor`'s
+    `DoctorJob`); returns its SLURM job id. Its return value is the job's result pickle."""
     ex = _executor(conf, p)
     try:
-        job = ex.submit(TrainJob(p.job_overrides, str(p.folder)))
+        job = ex.submit(body)
     except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as exc:
         raise UserError(f"sbatch refused the job: {_first_line(exc)}") from exc
     return str(job.job_id)

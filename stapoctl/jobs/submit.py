@@ -56,6 +56,10 @@ def submit_run(conf: DictConfig, overrides: Sequence[str], *, dry_run: bool = Fa
         raise UserError("--follow with --dry-run: a dry run submits nothing to follow; drop one of them")
     overrides = list(overrides)
     conf = _prepare(conf, overrides)
+    if dry_run:
+        from stapoctl.preflight.plan_report import print_memory_plan
+
+        print_memory_plan(conf, console, here=conf.cluster.name == "local" and not conf.cluster.address)
     run_name = conf.tracking.run_name or default_run_name(conf)
     uri = _tracking_uri(conf)
     if conf.cluster.name == "ray":
@@ -196,6 +200,22 @@ def submit_trials(base_overrides: Sequence[str], trials: Sequence[Sequence[str]]
     console.print(f"submitted {len(tasks)} Ray jobs for '{name}' to {address} · parent run {parent_run_id}")
     _print_hints(local_id, console)
     return rec
+
+
+def ray_trial_job(overrides: Sequence[str], *, stop_wait_s: Optional[int] = None):
+    """One trial of a sweep as a Ray job (`stapoctl sweep … max_parallel=K` submits them K at a
+    time): `train` with the trial's overrides, which name cluster=ray and the job server.
+    `stop_wait_s`: how long the job's driver may take after a stop (SIGTERM) to end its step,
+    write a checkpoint and end its run KILLED before Ray kills it (Ray's default: 3 s)."""
+    from stapoctl.config.compose import compose_config
+    from stapoctl.jobs import ray_jobs
+
+    overrides = list(overrides)
+    conf = _prepare(compose_config(overrides), overrides)
+    spec = ray_jobs.job_spec(conf, overrides, conf.tracking.run_name or default_run_name(conf), _tracking_uri(conf))
+    if stop_wait_s:
+        spec.runtime_env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] = str(int(stop_wait_s))
+    return spec
 
 
 def wait(rec: records.JobRecord, console: Optional[Console] = None, poll_s: float = 5.0,

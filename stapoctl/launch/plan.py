@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
+from stapoctl.config.shapes import decoder_params
 from stapoctl.errors import UserError
 from stapoctl.launch.placement import check_fits, role_plans, total_need
 
@@ -30,18 +31,6 @@ def _notes(conf: DictConfig) -> dict[str, str]:
         "learner": learner,
         "colocated": "learner rank + vLLM worker sharing one GPU (learner.placement=colocated)",
     }
-
-
-def decoder_params(shape: dict) -> int:
-    """Parameters of a Qwen3-style decoder from its config.json fields (attention with q/k norms,
-    SwiGLU MLP, RMSNorms; the LM head counted unless tied to the embeddings)."""
-    h, inter, layers = int(shape["hidden_size"]), int(shape["intermediate_size"]), int(shape["num_hidden_layers"])
-    heads, kv = int(shape["num_attention_heads"]), int(shape.get("num_key_value_heads") or shape["num_attention_heads"])
-    hd = int(shape.get("head_dim") or h // heads)
-    vocab = int(shape["vocab_size"])
-    per_layer = h * hd * (2 * heads + 2 * kv) + 3 * h * inter + 2 * h + 2 * hd
-    head = 0 if shape.get("tie_word_embeddings", True) else vocab * h
-    return vocab * h + layers * per_layer + h + head
 
 
 def _model_shape(conf: DictConfig):

@@ -1,9 +1,10 @@
 """The policy learner: a DeepSpeed engine inside a Ray actor, one actor per data-parallel rank.
 
-The actor is assembled from three concepts, each in its own module:
+The actor is assembled from these concepts, each in its own module:
 `engine_setup` (process group, model, optimizer, schedule; `reset` for a new sweep trial),
-`ppo_step` (recompute old log-probs, PPO mini-batch updates with the configured loss) and
-`state_io` (weights for the rollout workers, checkpoints). This module places the ranks
+`ppo_step` (recompute old log-probs, PPO mini-batch updates with the configured loss),
+`micro_batches` (fixed or token-budget micro-batches), `reference` (the KL term's frozen policy)
+and `state_io` (weights for the rollout workers, checkpoints). This module places the ranks
 (`learner.num_ranks`; one GPU each on GPU, gloo on CPU) and wires their rendezvous.
 """
 
@@ -12,12 +13,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from stapoctl.learner.engine_setup import EngineSetup, extensions_dir, uses_cuda
+from stapoctl.learner.micro_batches import MicroBatching
 from stapoctl.learner.ppo_step import PPOStep
 from stapoctl.learner.reference import ReferencePolicy
 from stapoctl.learner.state_io import StateIO
 
 
-class Learner(EngineSetup, PPOStep, ReferencePolicy, StateIO):
+class Learner(EngineSetup, PPOStep, MicroBatching, ReferencePolicy, StateIO):
     """One data-parallel rank. Every rank receives every call (the driver fans them out)."""
 
     def __init__(self, rank: int = 0, world_size: int = 1):

@@ -269,7 +269,13 @@ class EngineSetup:
 
     def _plan_batches(self, learner: dict) -> int:
         """Micro- and mini-batch sizes (`micro`, `mini_rows`); returns the accumulation steps a
-        rank's share of a mini-batch takes."""
+        rank's share of a mini-batch takes in fixed micro-batches (DeepSpeed's config wants a count;
+        the learner sets each mini-batch's boundary itself, see `micro_batches.MicroBatching`)."""
+        from stapoctl.config.validate import token_budget_conflict
+
+        conflict = token_budget_conflict(learner, self.loss_cfg)
+        if conflict:
+            raise UserError(conflict)
         self.micro = int(learner["micro_batch_size"])
         mini_rows = int(learner["ppo_mini_batch_size"]) * self.n
         if mini_rows % self.world_size:

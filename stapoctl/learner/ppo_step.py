@@ -17,10 +17,6 @@ import time
 from typing import Optional
 
 
-def plan_micro_batches(rows: int, micro: int) -> list[slice]:
-    return [slice(s, min(s + micro, rows)) for s in range(0, rows, micro)]
-
-
 class PPOStep:
     """Mixin of the learner actor; needs the attributes `EngineSetup.reset` sets."""
 
@@ -75,21 +71,22 @@ class PPOStep:
                            chunk_size=chunk, temperature=self.temperature, return_sum_p2=True, **grad)
 
     def _no_grad_pass(self, batch, rows: slice, model=None):
-        """Entropy, log-prob and sum p² of batch[rows], micro-batch by micro-batch, no grad
+        """Entropy, log-prob and sum p² of batch[rows] in row order, micro-batch by micro-batch
+        (under a token budget cut by `learner.log_prob_max_tokens_per_micro_batch`), no grad
         (`model`: the frozen reference instead of the policy)."""
         import torch
 
-        ents, lps, p2s = [], [], []
         sub = batch.select(rows)
+        out = torch.zeros(3, len(sub), sub.response_length)
         self.module.eval()  # no dropout in a measurement (Qwen3 has none; other models may)
         try:
             with torch.no_grad():
-                for sl in plan_micro_batches(len(sub), self.micro):
-                    ent, lp, p2 = self._token_stats(sub.select(sl), model=model)
-                    ents.append(ent.float().cpu()), lps.append(lp.float().cpu()), p2s.append(p2.float().cpu())
+                for mb in self._no_grad_micro_batches(sub):
+                    for k, t in enumerate(self._token_stats(sub.select(mb), model=model)):
+                        out[k, mb] = t.float().cpu()
         finally:
             self.module.train()
-        return torch.cat(ents), torch.cat(lps), torch.cat(p2s)
+        return out[0], out[1], out[2]
 
     def compute_log_probs(self, batch) -> dict:
         """Learner log-probs and entropies of every response token (0 on padding), all ranks' rows."""
@@ -153,6 +150,7 @@ class PPOStep:
         acc = MetricAccumulator(self._all_gather_objects)
         epochs = int(self.learner.get("ppo_epochs") or 1)
         n_rows = len(batch)
+        self.micro_batches_run = 0
         updated = False
         grad_norms = []
         for _ in range(epochs):
@@ -167,21 +165,27 @@ class PPOStep:
     def _update_minibatch(self, batch, mini_sl: slice, global_step: int, first_pass: Optional[dict],
                           acc: MetricAccumulator, *, behavior: bool) -> float:
         """One optimizer step on batch[mini_sl]: this rank's rows, micro-batch by micro-batch,
-        accumulated into a single update. Returns its grad norm."""
+        accumulated into a single update (the boundary set at the last, however many there are).
+        Returns its grad norm."""
         mini = batch.select(mini_sl)
         mine = self._my_rows(len(mini))
-        micro_sls = plan_micro_batches(mine.stop - mine.start, self.micro)
-        single = len(micro_sls) == 1 and self.world_size == 1
+        micro_rows, count = self._update_micro_batches(mini, mine)
+        single = count == 1 and self.world_size == 1
         extras = {"group_ids": mini.group_ids, "global_step": int(global_step)}
         if self.max_response_length:
             extras["max_response_length"] = int(self.max_response_length)
         extras.update(_policy_inputs(mini, behavior))
         ent, context = self._minibatch_context(mini, mini_sl, mine, extras, first_pass, single)
-        for k, sl in enumerate(micro_sls):
-            rows = slice(mine.start + sl.start, mine.start + sl.stop)
-            loss, m, context = self._micro_loss(mini.select(rows), rows, ent, context, extras, behavior=behavior)
-            boundary_norm = self._backward(loss, boundary=k == len(micro_sls) - 1)
-            acc.add(m)
+        for k in range(count):
+            self._set_boundary(k == count - 1)
+            if k < len(micro_rows):
+                rows = micro_rows[k]
+                loss, m, context = self._micro_loss(mini.select(rows), rows, ent, context, extras, behavior=behavior)
+                acc.add(m)
+            else:  # another rank has more micro-batches: join its gradient reductions, adding nothing
+                loss = self._zero_weight_loss(mini.select(micro_rows[-1][:1]))
+            boundary_norm = self._backward(loss, boundary=k == count - 1)
+        self.micro_batches_run += count
         norm = self._optimizer_step(boundary_norm)
         acc.end_minibatch()
         return norm
@@ -244,6 +248,7 @@ class PPOStep:
         out["actor/grad_norm"] = float(sum(grad_norms) / max(len(grad_norms), 1))
         out["actor/lr"] = float(self.scheduler.get_last_lr()[0]) if self.scheduler else float(self.learner["lr"])
         out["actor/optimizer_steps"] = float(self.optimizer_steps)
+        out["perf/update_micro_batches"] = float(self.micro_batches_run)  # per rank, this step
         return out
 
     def _backward(self, loss, boundary: bool) -> Optional[float]:

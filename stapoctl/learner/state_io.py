@@ -71,7 +71,29 @@ class StateIO:
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, step_dir: str, tokenizer_dir: str) -> dict:
-        """HF model dir (loadable by vLLM and eval) + DeepSpeed state (optimizer, scheduler, RNG)."""
+        """HF model dir (loadable by vLLM and eval) + DeepSpeed state (optimizer, scheduler, RNG).
+
+        A full disk raises a plain `OSError` ENOSPC / EDQUOT naming the dir (torch's writer
+        reports it as an "iostream error" without the errno), which the driver recognises."""
+        import gc
+        import traceback
+
+        from stapoctl.checkpoint import disk_full
+
+        try:
+            return self._write_checkpoint(step_dir, tokenizer_dir)
+        except Exception as exc:
+            full = disk_full(exc, step_dir)
+            if full is None:
+                raise
+            failed: Any = exc
+            while failed is not None:  # the failed writer's open file keeps its bytes on the disk
+                traceback.clear_frames(failed.__traceback__)
+                failed = failed.__context__
+        gc.collect()
+        raise full
+
+    def _write_checkpoint(self, step_dir: str, tokenizer_dir: str) -> dict:
         from pathlib import Path
 
         import torch

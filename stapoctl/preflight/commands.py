@@ -18,11 +18,12 @@ from stapoctl.errors import UserError
 from stapoctl.preflight.dataset import check_dataset, train_dataset
 from stapoctl.preflight.hub import check_hub_model
 from stapoctl.preflight.machine import check_machine
+from stapoctl.preflight.memory_plan import enforce_plan
 from stapoctl.preflight.model import check_model
 from stapoctl.preflight.resume import check_resume
 
 
-def validate_train(conf: DictConfig, *, hub: bool = True) -> None:
+def validate_train(conf: DictConfig, *, hub: bool = True, console=None) -> None:
     """Everything `stapoctl train` needs, checked before an MLflow run, a run dir or Ray exists."""
     validate_config(conf)
     if conf.resume:
@@ -43,12 +44,12 @@ def validate_train(conf: DictConfig, *, hub: bool = True) -> None:
     elif conf.model.path and float(conf.loss.get("kl_coef") or 0) > 0:
         # a resumed run starts from its checkpoint, but its KL reference is still the base model
         check_model(conf, str(conf.model.path), "model.path (the frozen reference of loss.kl_coef > 0)")
-    if not hub:  # submitted: the job checks the hub cache where it runs (its node's cache and network)
-        return
-    if conf.model.path and (not conf.resume or float(conf.loss.get("kl_coef") or 0) > 0):
-        check_hub_model(str(conf.model.path), "model.path")
-    if conf.reward.get("model_verifier"):
-        check_hub_model(str(conf.reward.model_verifier), "reward.model_verifier")
+    if hub:  # submitted: the job checks the hub cache where it runs (its node's cache and network)
+        if conf.model.path and (not conf.resume or float(conf.loss.get("kl_coef") or 0) > 0):
+            check_hub_model(str(conf.model.path), "model.path")
+        if conf.reward.get("model_verifier"):
+            check_hub_model(str(conf.reward.model_verifier), "reward.model_verifier")
+    enforce_plan(conf, here=hub, console=console)
 
 
 def validate_eval(conf: DictConfig, model: str, benches: Sequence[str], k: Optional[int] = None) -> None:

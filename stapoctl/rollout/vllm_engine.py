@@ -269,6 +269,20 @@ def score_logprobs(
     return result
 
 
+def kv_cache_gib(llm) -> float:
+    """The KV cache the engine allocated, GiB: its blocks × tokens per block × bytes per token
+    (2 × layers × KV heads × head size × the cache dtype's bytes, over every tensor-parallel rank).
+    Read from the front end's config, which the engine core fills in (also across processes)."""
+    import torch
+
+    cfg = llm.llm_engine.vllm_config
+    model, cache, parallel = cfg.model_config, cfg.cache_config, cfg.parallel_config
+    dtype = model.dtype if cache.cache_dtype == "auto" else getattr(torch, str(cache.cache_dtype), torch.uint8)
+    per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
+                 * int(parallel.tensor_parallel_size) * model.get_head_size() * torch.empty((), dtype=dtype).element_size())
+    return int(cache.num_gpu_blocks or 0) * int(cache.block_size) * per_token / 2**30
+
+
 def shutdown(llm) -> None:
     """Release the engine's shared memory (otherwise /dev/shm segments linger after Ray exits)."""
     try:

@@ -72,6 +72,12 @@ class RolloutWorker:
             "pad_token_id": self.tokenizer.pad_token_id,
         }
 
+    def kv_cache_gib(self) -> float:
+        """The KV cache this engine allocated, GiB (`stapoctl doctor` holds it against the run's figure)."""
+        from stapoctl.rollout import vllm_engine
+
+        return vllm_engine.kv_cache_gib(self.llm)
+
     def _check_weights(self) -> None:
         if self.needs_weights:
             raise StaleWeightsError(f"rollout actor (pid {os.getpid()}) restarted and holds the base model, "

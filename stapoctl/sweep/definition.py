@@ -32,7 +32,7 @@ from stapoctl.errors import UserError
 FILE_FIELDS = ("experiment", "key", "values", "seeds", "overrides", "description")
 VALUE_FIELDS = ("value", "set")  # a value entry with overrides of its own: {value: NAME, set: [k=v, …]}
 # key=value words of the command line that belong to the sweep, not to Hydra
-OPTIONS = ("values", "seeds", "resume", "force")
+OPTIONS = ("values", "seeds", "resume", "force", "max_parallel")
 # what the sweep itself sets in every trial: the command line may not set them too
 SEED_KEY = "trainer.seed"
 OWNED_KEYS = (SEED_KEY, "tracking.parent_run_id", "tracking.run_name", "tracking.tags", "resume")
@@ -98,6 +98,9 @@ class SweepCommand:
     # which parts the command line set (a resume checks them against the recorded sweep)
     given: frozenset = field(default_factory=frozenset)
     cli_overrides: tuple[str, ...] = ()
+    # trials running at once (None: the backend's default — 1 here, all on a Ray job server, the
+    # preset's cluster.array_parallelism on SLURM); where they run, not what they compute
+    max_parallel: Optional[int] = None
 
 
 def load_definition(name: str) -> SweepDefinition:
@@ -112,12 +115,14 @@ def load_definition(name: str) -> SweepDefinition:
 
 
 def parse_command(name: str, args: list[str]) -> SweepCommand:
-    """`values=[…]`, `seeds=[…]`, `resume=ID`, `force=true` are the sweep's; `experiment=` replaces
-    the file's experiment; every other word is a Hydra override applied to every trial."""
+    """`values=[…]`, `seeds=[…]`, `resume=ID`, `force=true`, `max_parallel=K` are the sweep's;
+    `experiment=` replaces the file's experiment; every other word is a Hydra override applied to
+    every trial."""
     definition = load_definition(name)
     given: set[str] = set()
     resume: Optional[str] = None
     force = False
+    max_parallel: Optional[int] = None
     cli: list[str] = []
     for item in args:
         key, sep, value = item.partition("=")
@@ -136,6 +141,9 @@ def parse_command(name: str, args: list[str]) -> SweepCommand:
         elif key == "force":
             force = _bool(value, "force")
             continue
+        elif key == "max_parallel":
+            max_parallel = _positive_int(value, "max_parallel")
+            continue
         elif key == "experiment":
             definition = replace(definition, experiment=value)
         else:
@@ -146,7 +154,7 @@ def parse_command(name: str, args: list[str]) -> SweepCommand:
         given.add(key)
     if cli:
         definition = replace(definition, overrides=definition.overrides + tuple(cli))
-    return SweepCommand(definition, resume, force, frozenset(given), tuple(cli))
+    return SweepCommand(definition, resume, force, frozenset(given), tuple(cli), max_parallel)
 
 
 def override_key(item: str) -> str:
@@ -279,6 +287,17 @@ def _seeds(value: Any, what: str) -> tuple[int, ...]:
     if not seeds or len(set(seeds)) != len(seeds):
         raise UserError(f"{what}: give distinct integer seeds, e.g. seeds=[0,1,2]")
     return seeds
+
+
+def _positive_int(value: str, what: str) -> int:
+    try:
+        number = int(value.strip())
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise UserError(f"{what}={value}: give the number of trials to run at once, an integer >= 1 "
+                        f"(e.g. {what}=2)")
+    return number
 
 
 def _bool(value: str, what: str) -> bool:

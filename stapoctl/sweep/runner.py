@@ -1,4 +1,4 @@
-"""`stapoctl sweep NAME`: run a sweep's trials one after another in this process.
+"""`stapoctl sweep NAME`: run a sweep's trials, by default one after another in this process.
 
 The trials share one `EngineSession`: Ray, the vLLM actors, the learner ranks and the
 verifier pool start once, and each later trial only resets the learner (base weights, fresh
@@ -7,13 +7,15 @@ are discarded (the trainer does that) and the next trial starts fresh ones. Ctrl
 ends the current trial's run and the parent KILLED before the engines shut down, so no run
 is left RUNNING; `resume=SWEEP_ID` later runs only the trials that did not finish (a trial
 with a checkpoint continues from it, the others start a new child run).
+
+`max_parallel=K` runs K trials at once instead (`parallel.py`, through `launchers.py`: K
+`stapoctl train` processes here, or Ray jobs on a job server); on SLURM it is the job array's
+parallelism (`cluster.array_parallelism`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
@@ -22,6 +24,8 @@ from rich.table import Table
 from stapoctl.errors import RunStopped, UserError
 from stapoctl.sweep import layout, store
 from stapoctl.sweep.definition import SweepCommand, SweepDefinition, override_key, parse_command
+from stapoctl.sweep.outcome import (Outcome, attempt_run, final_val, finish, pct, record_failure,
+                                    resume_point)
 from stapoctl.sweep.plan import Trial, check_plan, compose_trial, plan_trials
 from stapoctl.sweep.signals import signals_as_interrupt, signals_deferred
 
@@ -45,11 +49,14 @@ def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False) ->
     confs = check_plan(definition, extra)
     first = next(iter(confs.values()))
     uri, experiment = first.tracking.uri, str(first.tracking.experiment)
+    k = _parallelism(command, definition, extra, first)
+    slots = _room(confs, first, k, len(definition.values) * len(definition.seeds))
     if dry_run:
+        from stapoctl.preflight.plan_report import print_memory_plan
+
+        print_memory_plan(first, console, here=first.cluster.name == "local" and not first.cluster.address)
         print_plan(definition, plan_trials(definition, parent.info.run_id if parent else "<sweep id>", extra), console)
-        if submits(first):
-            console.print("the trials would go out as " + ("one SLURM job array" if first.cluster.name == "slurm"
-                                                           else "one Ray job each") + "; nothing was submitted")
+        console.print(_how(first, k, slots), highlight=False)
         return 0
     if parent is not None:
         _take_over(parent, uri, command.force, console)
@@ -64,14 +71,62 @@ def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False) ->
                   f"{{{', '.join(definition.values)}}} × seeds {list(definition.seeds)} = {len(trials)} trials"
                   + (f" · {len(trials) - len(todo)} already finished, running {len(todo)}" if parent else "")
                   + f" · MLflow {store._uri(uri)}", highlight=False)
-    if submits(first):
-        return _submit_trials(definition, sweep_id, trials, todo, uri, console)
+    if first.cluster.name == "slurm":
+        return _submit_trials(definition, sweep_id, trials, todo, uri, console, k)
+    if todo and (submits(first) or (slots and len(todo) > 1)):
+        from stapoctl.sweep import launchers
+        from stapoctl.sweep.parallel import Sweep, run_parallel
+
+        sweep = Sweep(definition, sweep_id, trials, records, uri, experiment, console)
+        if submits(first):
+            return run_parallel(sweep, todo, launchers.RayJobTrials(definition.name, sweep_id), k or len(todo))
+        slots = slots[:len(todo)]
+        return run_parallel(sweep, todo, launchers.LocalTrials(slots, launchers.log_dir(sweep_id)), len(slots))
     return _run_trials(definition, sweep_id, trials, todo, records, uri, experiment, console)
+
+
+def _parallelism(command: SweepCommand, definition: SweepDefinition, extra: tuple[str, ...], conf) -> Optional[int]:
+    """`max_parallel=K`; on SLURM `cluster.array_parallelism` is its alias (the two may not disagree)."""
+    k = command.max_parallel
+    if conf.cluster.name != "slurm":
+        return k
+    given = [o for o in (*definition.overrides, *extra) if override_key(o) == "cluster.array_parallelism"]
+    if k is not None and given and int(conf.cluster.array_parallelism) != k:
+        raise UserError(f"max_parallel={k} and {given[-1]} disagree: give one of them (cluster.array_parallelism "
+                        "is the older name of max_parallel on SLURM)")
+    return k if k is not None else int(conf.cluster.array_parallelism)
+
+
+def _room(confs: dict, conf, k: Optional[int], n_trials: int) -> list:
+    """The slots of K trials at once here (empty: one after another on warm engines); refused in
+    one line when K trials do not fit this machine. Joining a Ray cluster by its address: Ray
+    places the K trials, so the slots carry nothing."""
+    if submits(conf) or conf.cluster.name == "slurm" or not k or min(k, n_trials) < 2:
+        return []
+    from stapoctl.sweep import launchers
+
+    k = min(k, n_trials)
+    if conf.cluster.address:
+        return [([], {}) for _ in range(k)]
+    return launchers.room_here(confs.values(), k)
+
+
+def _how(conf, k: Optional[int], slots: list) -> str:
+    """Where the trials would run, for --dry-run."""
+    if conf.cluster.name == "slurm":
+        return f"the trials would go out as one SLURM job array ({k} at once); nothing was submitted"
+    if submits(conf):
+        return f"the trials would go out as one Ray job each ({k or 'all'} at once); nothing was submitted"
+    if slots:
+        share = f", {slots[0][0][0]} each" if slots[0][0] else f", joining {conf.cluster.address}"
+        return f"the trials would run {len(slots)} at once as `stapoctl train` processes here{share}; nothing was started"
+    return "the trials would run one after another here, on warm engines; nothing was started"
 
 
 def submits(conf) -> bool:
     """SLURM, or a Ray cluster's job server (http://HOST:8265): the trials run there in parallel.
-    Otherwise (here, or joining a Ray cluster by its GCS address) they run one after another."""
+    Otherwise (here, or joining a Ray cluster by its GCS address) they run from this process: one
+    after another on warm engines, or `max_parallel` at once as `train` processes."""
     address = str(conf.cluster.get("address") or "")
     return conf.cluster.name == "slurm" or (conf.cluster.name == "ray" and address.startswith(("http://", "https://")))
 
@@ -81,9 +136,9 @@ _SHARED = ("experiment", "cluster", "tracking.uri", "tracking.experiment")
 
 
 def _submit_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial], todo: list[Trial],
-                   uri: Optional[str], console: Console) -> int:
-    """The unfinished trials as one SLURM job array or one Ray job each, followed to the end;
-    the parent's status and the closing table then come from the children, as for local trials."""
+                   uri: Optional[str], console: Console, parallelism: Optional[int] = None) -> int:
+    """The unfinished trials as one SLURM job array (`parallelism` tasks at once), followed to the
+    end; the parent's status and the closing table then come from the children, as for local trials."""
     from stapoctl.jobs.submit import submit_trials, wait
 
     def shared(item: str) -> bool:
@@ -91,6 +146,8 @@ def _submit_trials(definition: SweepDefinition, sweep_id: str, trials: list[Tria
         return any(key == k or key.startswith(k + ".") for k in _SHARED)
 
     base = [o for o in todo[0].overrides if shared(o)] if todo else []
+    if parallelism is not None:
+        base.append(f"cluster.array_parallelism={parallelism}")
     per_trial = [[o for o in t.overrides if not shared(o) and override_key(o) != "tracking.parent_run_id"]
                  for t in todo]
     if todo:
@@ -106,7 +163,7 @@ def _submit_trials(definition: SweepDefinition, sweep_id: str, trials: list[Tria
         except BaseException as exc:
             store.end_parent(sweep_id, uri, "FAILED", store.one_line(exc))
             raise
-    return _finish(definition, sweep_id, trials, {}, uri, console)
+    return finish(definition, sweep_id, trials, {}, uri, console)
 
 
 def reconcile(command: SweepCommand, recorded: SweepDefinition) -> tuple[SweepDefinition, tuple[str, ...]]:
@@ -161,41 +218,7 @@ def _take_over(parent, uri: Optional[str], force: bool, console: Console) -> Non
             store.end_child(run.info.run_id, uri, "KILLED", "its sweep process died before the trial ended")
 
 
-def resume_point(record: store.TrialRecord) -> Optional[str]:
-    """The checkpoint an unfinished trial continues from (None: it starts a new child run)."""
-    from stapoctl.checkpoint import latest_step_dir, read_trainer_state
-
-    run = record.run
-    if run is None or record.finished or not run.data.tags.get("stapoctl.run_dir"):
-        return None
-    step_dir = latest_step_dir(Path(run.data.tags["stapoctl.run_dir"]))
-    if step_dir is None:
-        return None
-    total = int(run.data.params.get("trainer.total_steps", "0"))
-    return str(step_dir) if read_trainer_state(step_dir).get("step", 0) < total else None
-
-
 # -- the loop ----------------------------------------------------------------------------------
-@dataclass
-class Outcome:
-    """One trial as this invocation saw it (for the closing table)."""
-
-    trial: Trial
-    status: str
-    run_id: str = ""
-    val: Optional[float] = None
-    wall_s: Optional[float] = None
-    overhead_s: Optional[float] = None
-    engines: str = ""  # started | reused | (earlier invocation)
-
-    def row(self) -> list[str]:
-        def num(x: Optional[float]) -> str:
-            return f"{x:.1f}" if x is not None else "-"
-
-        return [str(self.trial.index + 1), self.trial.run_name, self.status, _pct(self.val), num(self.wall_s),
-                num(self.overhead_s), self.run_id, self.engines]
-
-
 def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial], todo: list[Trial],
                 records: dict, uri: Optional[str], experiment: str, console: Console) -> int:
     from stapoctl.sweep.progress import SweepView
@@ -227,14 +250,14 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
                     return exc.exit_code
                 except Exception as exc:  # the trial failed: record it, go on with fresh engines
                     error = store.one_line(exc)
-                    child_id = _record_failure(sweep_id, trial, records, resume, uri, since, experiment, error)
+                    child_id = record_failure(sweep_id, trial, records, resume, uri, since, experiment, error)
                     outcomes[trial.index] = Outcome(trial, "FAILED", child_id, wall_s=time.perf_counter() - t0)
                     view.finish(f"[bold red]✗ trial {trial.index + 1}/{len(trials)} {trial.run_name} FAILED[/]: {error}")
                     continue
                 outcomes[trial.index] = out = _record_success(trial, summary, session, sweep_id, uri, since,
                                                               time.perf_counter() - t0)
                 view.finish(f"[bold green]✓[/] trial {trial.index + 1}/{len(trials)} {trial.run_name}: "
-                            f"final val {_pct(out.val)} · {out.wall_s:.1f} s, of which {out.overhead_s:.1f} s "
+                            f"final val {pct(out.val)} · {out.wall_s:.1f} s, of which {out.overhead_s:.1f} s "
                             f"outside steps and validation (engines {out.engines}) · run {out.run_id}")
     except KeyboardInterrupt:
         if stop_reason is None:  # between trials: no child was running
@@ -247,14 +270,14 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
         if stop_reason is None:
             store.end_parent(sweep_id, uri, "FAILED", store.one_line(exc))
         raise
-    return _finish(definition, sweep_id, trials, outcomes, uri, console)
+    return finish(definition, sweep_id, trials, outcomes, uri, console)
 
 
 def _end_interrupted(sweep_id: str, trial: Trial, records: dict, resume: Optional[str], uri: Optional[str],
                      since: float, stop_reason: str) -> None:
     """Ctrl-C or SIGTERM during a trial: its run and the parent end KILLED."""
     with signals_deferred():
-        child_id = _attempt_run(sweep_id, trial, records, resume, uri, since)
+        child_id = attempt_run(sweep_id, trial, records, resume, uri, since)
         if child_id is not None:
             store.end_child(child_id, uri, "KILLED", stop_reason)
         store.end_parent(sweep_id, uri, "KILLED", stop_reason)
@@ -270,27 +293,6 @@ def _end_stopped(definition: SweepDefinition, sweep_id: str, uri: Optional[str],
                   f"resume={sweep_id[:8]}`[/]")
 
 
-def _record_failure(sweep_id: str, trial: Trial, records: dict, resume: Optional[str], uri: Optional[str],
-                    since: float, experiment: str, error: str) -> str:
-    """The failed attempt's run ends FAILED; one is made for it when it failed before creating one."""
-    child_id = _attempt_run(sweep_id, trial, records, resume, uri, since)
-    if child_id is not None:
-        store.end_child(child_id, uri, "FAILED", error)
-    else:
-        child_id = store.record_failed_trial(sweep_id, trial, experiment, uri, error)
-    return child_id
-
-
-def _attempt_run(sweep_id: str, trial: Trial, records: dict, resume: Optional[str], uri: Optional[str],
-                 since: float) -> Optional[str]:
-    """The run this attempt wrote to: the continued child when it resumed from a checkpoint,
-    else the child it created (None when it failed before creating one)."""
-    if resume:
-        return records[trial.index].run.info.run_id
-    child = store.newest_child(sweep_id, trial.index, uri, since)
-    return child.info.run_id if child is not None else None
-
-
 def _record_success(trial: Trial, summary: dict, session, sweep_id: str, uri: Optional[str], since: float,
                     wall: float) -> Outcome:
     """Timing metrics on the child and the parent; FINISHED only with last-step validation."""
@@ -301,55 +303,8 @@ def _record_success(trial: Trial, summary: dict, session, sweep_id: str, uri: Op
     ok = store.trial_finished(store.client(uri).get_run(run_id), uri)
     if not ok:
         store.end_child(run_id, uri, "FAILED", "ended without validation metrics at its last step")
-    return Outcome(trial, "FINISHED" if ok else "FAILED", run_id, _final_val(summary), wall,
+    return Outcome(trial, "FINISHED" if ok else "FAILED", run_id, final_val(summary), wall,
                    timing[layout.M_OVERHEAD], "reused" if reused else "started")
-
-
-def _finish(definition: SweepDefinition, sweep_id: str, trials: list[Trial], outcomes: dict[int, Outcome],
-            uri: Optional[str], console: Console) -> int:
-    """The parent's final status and counts, and the closing table; the exit code."""
-    from mlflow.entities import Metric
-
-    records = store.trial_records(sweep_id, len(trials), uri)
-    finished = sum(r.finished for r in records.values())
-    failed = len(trials) - finished
-    now = int(time.time() * 1000)
-    metrics = [Metric("sweep/trials_finished", finished, now, 0), Metric("sweep/trials_failed", failed, now, 0)]
-    reused = [o.overhead_s for o in outcomes.values() if o.engines == "reused" and o.overhead_s is not None]
-    if reused:
-        metrics.append(Metric("sweep/mean_trial_overhead_s", sum(reused) / len(reused), now, 0))
-    store.client(uri).log_batch(sweep_id, metrics=metrics)
-    store.end_parent(sweep_id, uri, "FINISHED" if failed == 0 else "FAILED",
-                     None if failed == 0 else f"{failed} of {len(trials)} trials failed")
-    table = Table(title=f"sweep {definition.name} ({sweep_id})")
-    for col in ("trial", "run name", "status", "final val", "wall s", "overhead s", "run id", "engines"):
-        table.add_column(col, justify="right" if col in ("trial", "final val", "wall s", "overhead s") else "left",
-                         overflow="fold", min_width=8 if col == "run name" else None)
-    for trial in trials:
-        rec = records[trial.index]
-        out = outcomes.get(trial.index) or Outcome(
-            trial, "FINISHED" if rec.finished else (rec.run.info.status if rec.run else "-"),
-            rec.run.info.run_id if rec.run else "", engines="earlier run")
-        table.add_row(*out.row())
-    console.print(table)
-    if reused:
-        console.print(f"per-trial overhead with reused engines: mean {sum(reused) / len(reused):.1f} s "
-                      "(trial wall time minus its steps and validations)")
-    if failed:
-        console.print(f"[bold red]{failed} of {len(trials)} trials did not finish[/]; rerun them with "
-                      f"`stapoctl sweep {definition.name} resume={sweep_id[:8]}`")
-        return 1
-    console.print(f"[bold green]sweep {definition.name} finished[/]: {len(trials)} trials under MLflow run {sweep_id}")
-    return 0
-
-
-def _final_val(summary: dict) -> Optional[float]:
-    final = summary.get("final", {})
-    return next((v for k, v in sorted(final.items()) if k.startswith("val/") and "/avg_at_" in k), None)
-
-
-def _pct(value: Optional[float]) -> str:
-    return f"{value:.1%}" if value is not None else "-"
 
 
 def print_plan(definition: SweepDefinition, trials: list[Trial], console: Console) -> None:

@@ -4,6 +4,7 @@ runs' statuses are written, so no run is left RUNNING."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 
@@ -28,8 +29,10 @@ def signals_as_interrupt(received: list[str]):
 
 
 @contextlib.contextmanager
-def signals_deferred():
-    """Hold SIGINT/SIGTERM for the few ms it takes to write the runs' statuses."""
+def signals_deferred(replay: bool = False):
+    """Hold SIGINT/SIGTERM for the few ms it takes to write the runs' statuses. `replay`: a
+    signal that came meanwhile is delivered again once the block is done (a trial being started
+    is then known, and stopped with the others, instead of left running unseen)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -40,3 +43,5 @@ def signals_deferred():
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+        if replay and pending:
+            os.kill(os.getpid(), pending[0])

@@ -16,6 +16,9 @@ down, the driver is killed or the run is resumed.
   driver checks the recomputation against it; see README "Failures and resuming").
 - `close(status)` sends the rest and ends the run, waiting at most `timeout_s`; what is still
   unsent then stays in the journal for the next `stapoctl train resume=…` of that run dir.
+- A journal that cannot be written (its disk is full) does not stop the run: from the first
+  failed write on, records are kept in memory and sent from there; what MLflow has not taken
+  by `close` is written to a file elsewhere (`spill_dirs`), and `close_note` says which.
 """
 
 from __future__ import annotations
@@ -77,9 +80,14 @@ class MetricBuffer:
         self.points_sent = 0
         self.outage_since: Optional[float] = None
         self.last_error = ""
+        self.journal_error: Optional[OSError] = None  # the write that failed; nothing is journaled after it
+        self.unjournaled = 0  # records since then, in memory only
+        self.spilled: Optional[Path] = None  # where `close` wrote those MLflow did not take
         self._load()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
+        if self.path.stat().st_size and not self._ends_with_newline():  # a line cut short by a kill or a full disk
+            self._journal("\n")
         self._cond = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._send_loop, name="stapoctl-mlflow-sender", daemon=True)
@@ -110,14 +118,35 @@ class MetricBuffer:
                 # an unsent end status belongs to the process that wrote it; this one ends the run itself
                 if int(rec["seq"]) > self.sent_seq and "status" not in rec:
                     self.pending.append(rec)
+        self.seq = max(self.seq, self.sent_seq)  # the marker may be ahead of a journal a full disk cut short
+
+    def _ends_with_newline(self) -> bool:
+        with open(self.path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
+
+    def _journal(self, text: str) -> bool:
+        """Append to the journal, unless a write failed before (False: the record is in memory only)."""
+        if self.journal_error is None:
+            try:
+                self._file.write(text)
+                self._file.flush()  # in the page cache: survives a kill of this process
+                return True
+            except OSError as exc:
+                self.journal_error = exc
+                with contextlib.suppress(OSError):
+                    self._file.close()  # its buffer holds a partial line: never written after this
+                self.say(f"{self.path} cannot be written ({exc.strerror or exc}): the run's records go to MLflow "
+                         "from memory from now on")
+        return False
 
     def _append(self, rec: dict) -> None:
         t0 = time.perf_counter()
         with self._cond:
             self.seq += 1
             rec["seq"] = self.seq
-            self._file.write(json.dumps(rec, separators=(",", ":")) + "\n")
-            self._file.flush()  # in the page cache: survives a kill of this process
+            if not self._journal(json.dumps(rec, separators=(",", ":")) + "\n"):
+                self.unjournaled += 1
             self.pending.append(rec)
             self._cond.notify()
         self.max_log_s = max(self.max_log_s, time.perf_counter() - t0)
@@ -214,10 +243,15 @@ class MetricBuffer:
         self.points_sent += len(metrics)
 
     def _mark_sent(self, seq: int) -> None:
-        tmp = self.sent_path.with_name(self.sent_path.name + ".tmp")
-        tmp.write_text(f"{seq}\n")
-        os.replace(tmp, self.sent_path)
+        """Best effort: a marker left behind (a full disk) only makes a resume send lines again."""
         self.sent_seq = seq
+        tmp = self.sent_path.with_name(self.sent_path.name + ".tmp")
+        try:
+            tmp.write_text(f"{seq}\n")
+            os.replace(tmp, self.sent_path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
     def _send_loop(self) -> None:
         backoff = 0.25
@@ -287,11 +321,54 @@ class MetricBuffer:
         with self._cond:
             self._closing = True
             if not done:
+                if self.journal_error is not None:
+                    self._spill(list(self.pending))
                 self.pending.clear()  # stays in the journal for the next resume
             self._cond.notify_all()
         self._thread.join(timeout=5)
-        self._file.close()
+        with contextlib.suppress(OSError):
+            self._file.close()
         return done
+
+    def _spill(self, recs: list[dict]) -> None:
+        """Unsent records the journal could not hold: into the first of `spill_dirs` that takes them."""
+        for where in spill_dirs():
+            path = where / f"{self.run_id}.{JOURNAL}"
+            try:
+                where.mkdir(parents=True, exist_ok=True)
+                with open(path, "a", encoding="utf-8") as f:
+                    f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in recs)
+            except OSError:
+                continue
+            self.spilled = path
+            return
+
+    def close_note(self, done: bool, timeout_s: float) -> Optional[str]:
+        """After `close`: where the records MLflow did not take are (None: it took them all, and the
+        journal holds them too)."""
+        late = f"MLflow at {self.uri} did not take the last records within {timeout_s:.0f} s"
+        if self.journal_error is None:
+            return None if done else (f"{late}; they are kept in {self.path} and sent by "
+                                      f"`stapoctl train resume={self.run_dir}`")
+        broken = (f"{self.path} could not be written ({self.journal_error.strerror or self.journal_error}), so "
+                  f"its last {self.unjournaled} records are not in it")
+        if done:
+            return f"{broken}; they were sent to MLflow"
+        if self.spilled is not None:
+            return f"{broken}; {late}: they are in {self.spilled} (not sent by a resume)"
+        return f"{broken}; {late}, and no other place could be written: they are lost"
+
+
+def spill_dirs() -> list[Path]:
+    """Where unsent records go when the run dir's disk is full: STAPOCTL_HOME, then the temp dir."""
+    import tempfile
+
+    from stapoctl import paths
+
+    out = []
+    with contextlib.suppress(OSError):
+        out.append(paths.home() / "unsent")
+    return out + [Path(tempfile.gettempdir()) / "stapoctl-unsent"]
 
 
 _REFUSALS = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE",

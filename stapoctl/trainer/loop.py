@@ -186,16 +186,46 @@ class Loop:
 
     def save(self, step: int, sampler_state: dict) -> Path:
         from stapoctl.errors import RunFailed
-        from stapoctl.checkpoint import latest_step_dir
 
         try:
             return _save(self.runner.engines, self.run_dir, step, sampler_state, self.run_id, self.base_model,
                          self.tokenizer_dir, self.conf)
         except OSError as exc:
-            last = latest_step_dir(self.run_dir)
-            raise RunFailed(f"the step-{step} checkpoint could not be written to {self.run_dir} ({exc.strerror or exc}): "
-                            f"the run is FAILED; free space and resume from {last.name if last else 'the start'} with "
-                            f"`stapoctl train resume={self.run_id}`") from exc
+            raise RunFailed(save_failure(exc, self.run_dir, step, self.run_id, self.conf.tracking.uri)) from exc
+
+
+def save_failure(exc: OSError, run_dir: Path, step: int, run_id: str, uri: Any = None) -> str:
+    """One line for a checkpoint that could not be written: where and why (for a full disk or
+    quota: the space left and a checkpoint's size), the checkpoint still intact, how to resume."""
+    import shlex
+    import shutil
+
+    from stapoctl.checkpoint import DISK_FULL, latest_step_dir, step_size
+
+    root = Path(run_dir) / "checkpoints"
+    last = latest_step_dir(run_dir)
+    resume = f"stapoctl train resume={run_id}" + (f" {shlex.quote(f'tracking.uri={uri}')}" if uri else "")
+    fix = "free space" if exc.errno in DISK_FULL else "fix that"
+    then = (f"{last.name} is intact: {fix} and resume with `{resume}`" if last else
+            f"no checkpoint was written before it: {fix} and start the run again")
+    if exc.errno not in DISK_FULL:
+        return (f"the step-{step} checkpoint could not be written to {root} ({exc.strerror or exc}): "
+                f"the run is FAILED; {then}")
+    try:
+        free = f"{_size(shutil.disk_usage(root).free)} free there"
+    except OSError:
+        free = "free space unknown"
+    took = f", {last.name} took {_size(step_size(last))}" if last else ""
+    return (f"disk full: the step-{step} checkpoint could not be written to {root} ({exc.strerror}; {free}{took}): "
+            f"the run is FAILED; {then}")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
 
 
 def _validate(conf, engines, scorer, val_sets, step: int) -> dict:

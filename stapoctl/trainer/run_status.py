@@ -176,10 +176,9 @@ def tracked_run(*, uri: str, experiment: str, run_dir_for, console: Any, run_nam
             else:
                 record.finish(None)
             finally:
-                if not buffer.close(flush_timeout_s) and console is not None:
-                    console.print(f"[yellow]MLflow at {uri} did not take the last records within "
-                                  f"{flush_timeout_s:.0f} s; they are kept in {buffer.path} and sent by "
-                                  f"`stapoctl train resume={run_dir}`[/]")
+                note = buffer.close_note(buffer.close(flush_timeout_s), flush_timeout_s)
+                if note and console is not None:
+                    console.print(f"[yellow]{note}[/]", highlight=False, soft_wrap=True)
         finally:
             lock.__exit__(None, None, None)
 

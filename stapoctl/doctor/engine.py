@@ -1,0 +1,171 @@
+"""The slow checks, on the trainer's own engines (`trainer.engines.launch_engines`, so the path
+is the one a run takes): one vLLM rollout actor and one DeepSpeed learner rank on the run's
+model. Three rows: the engines start; the KV cache vLLM reports against the expected figure
+(CPU: rollout.kv_cache_gb; GPU: the memory plan's); and a weight-sync canary — the learner's
+weights perturbed, pushed to vLLM through the run's sync, and the log-probs of a fixed sequence
+compared (max |Δ logp|, the quantity of the trainer's canary `rollout/logprob_diff_max`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from stapoctl.doctor.rows import Row, failed, from_error, not_applicable, passed
+
+# max |Δ logp| after a sync: fp32 stays at float noise (~5e-6 measured here; the e2e tests hold the
+# training canary under 1e-4); bf16/fp16 kernels of vLLM and the learner differ by ~6e-2-9e-2
+SYNC_TOLERANCE = {"float32": 1e-4, "fp32": 1e-4}
+SYNC_TOLERANCE_LOW_PRECISION = 0.25
+PERTURB_SCALE = 0.05
+KV_SHORTFALL = 0.9  # vLLM got less than this share of the expected KV cache: FAIL
+ENGINES_FIX = ("run `stapoctl train trainer.total_steps=1` to see the engines' own error, or check "
+               "rollout.kv_cache_gb / rollout.gpu_memory_utilization and the model's dtype")
+
+
+def sync_tolerance(dtype: str) -> float:
+    return SYNC_TOLERANCE.get(str(dtype), SYNC_TOLERANCE_LOW_PRECISION)
+
+
+def _on_gpu(conf: DictConfig) -> bool:
+    return float(conf.rollout.gpus_per_worker or 0) > 0 or float(conf.learner.gpus_per_rank or 0) > 0
+
+
+def _expected_kv_gib(conf: DictConfig) -> Optional[float]:
+    """The KV cache the run expects per rollout worker, GiB: rollout.kv_cache_gb on CPU; on a
+    GPU the memory plan's figure (None when the plan cannot size the model)."""
+    if not _on_gpu(conf):
+        return float(conf.rollout.kv_cache_gb)
+    from stapoctl.preflight.memory_plan import build_plan
+
+    rollout = build_plan(conf).role("rollout")
+    return None if rollout is None or rollout.kv_cache_gib is None else float(rollout.kv_cache_gib)
+
+
+def kv_row(reported: float, expected: Optional[float], source: str) -> Row:
+    """The KV cache vLLM allocated against the expected figure (less than KV_SHORTFALL of it fails)."""
+    got = f"vLLM allocated {reported:.3g} GiB of KV cache"
+    if expected is None:
+        return passed("vLLM KV cache", f"{got} (no expected figure: the plan cannot size this model)")
+    if reported < KV_SHORTFALL * expected:
+        return failed("vLLM KV cache", f"{got}, expected {expected:.3g} GiB ({source})",
+                      "lower rollout.max_response_length / data.max_prompt_length, raise rollout.gpu_memory_utilization, "
+                      "or check what else holds the GPU's memory (nvidia-smi)")
+    return passed("vLLM KV cache", f"{got}, expected {expected:.3g} GiB ({source})")
+
+
+def sync_row(before: float, after: float, tolerance: float, sync_s: float, method: str) -> Row:
+    """After the push vLLM's log-probs equal the learner's within `tolerance`; before it, the
+    perturbed learner differed (else the canary could not see a sync that did nothing)."""
+    detail = (f"max |Δ logp| {after:.1e} after the sync ({method}, {sync_s * 1e3:.0f} ms), {before:.1e} before; "
+              f"tolerance {tolerance:g}")
+    if not after <= tolerance:
+        return failed("weight sync", detail, "vLLM does not hold the learner's weights after a sync: check "
+                      "rollout.weight_sync and model.dtype (run tests/test_weight_sync.py)")
+    if not before > after:
+        return failed("weight sync", detail, "the perturbed learner's log-probs equal vLLM's before the sync: "
+                      "the canary cannot see the sync (report this)")
+    return passed("weight sync", detail)
+
+
+def fixed_batch(model_path: str, pad_id: int):
+    """A fixed sequence (two 12-token prompts with two 12-token responses each), ids drawn
+    with a seeded generator below the model's vocabulary, as a `RolloutBatch`."""
+    import torch
+
+    from stapoctl.rollout.batch import RolloutBatch
+
+    try:
+        vocab = int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError):
+        vocab = 512
+    g = torch.Generator().manual_seed(1234)
+    high = max(8, min(vocab, 4096))
+    prompts = [torch.randint(3, high, (12,), generator=g).tolist() for _ in range(2)]
+    resps = [[torch.randint(3, high, (12,), generator=g).tolist() for _ in range(2)] for _ in prompts]
+    zeros = [[[0.0] * len(r) for r in rs] for rs in resps]
+    return RolloutBatch.from_token_lists(prompts, resps, zeros, [[False] * 2] * 2, [[""] * 2] * 2, pad_id=pad_id)
+
+
+def _max_diff(a, b, mask) -> float:
+    import torch
+
+    return float(torch.where(mask, (a - b).abs(), 0.0).max())
+
+
+def canary(engines: Any, model_path: str) -> tuple[float, float, float]:
+    """(max |Δ logp| before the sync, after it, the push's seconds) on the fixed batch."""
+    import ray
+
+    worker, learner = engines.workers[0], engines.learner
+    batch = fixed_batch(model_path, int(engines.info.get("pad_token_id") or 0))
+    ray.get(learner.perturb_weights.remote(PERTURB_SCALE, seed=7))
+    learner_lp = ray.get(learner.compute_log_probs.remote(batch))["log_prob"]
+    before = _max_diff(ray.get(worker.score_batch.remote(batch)), learner_lp, batch.response_mask)
+    t0 = time.perf_counter()
+    engines.push_weights()
+    sync_s = time.perf_counter() - t0
+    after = _max_diff(ray.get(worker.score_batch.remote(batch)), learner_lp, batch.response_mask)
+    return before, after, sync_s
+
+
+def doctor_engine_conf(conf: DictConfig) -> DictConfig:
+    """The run's config with one rollout worker and one learner rank (the rest as the run has it)."""
+    out = OmegaConf.create(OmegaConf.to_container(conf, resolve=True))
+    out.rollout.num_workers = 1
+    out.learner.num_ranks = 1
+    return out
+
+
+def engine_rows(conf: DictConfig, model_path: Optional[str], status=None) -> list[Row]:
+    """Start the engines, read the KV cache, run the sync canary, stop them (and the Ray it started)."""
+    names = ("engines start", "vLLM KV cache", "weight sync")
+    if not model_path:
+        return [not_applicable(n, "not run: needs the model (its row FAILs above)") for n in names]
+    import ray
+
+    from stapoctl.launch.ray_runtime import shutdown_ray
+    from stapoctl.trainer.engines import launch_engines
+    from stapoctl.trainer.setup import quiet_engine_logs
+
+    dconf = doctor_engine_conf(conf)
+    quiet_engine_logs(dconf)
+    engines, rows, was_up = None, [], ray.is_initialized()
+    say = status or (lambda msg: None)
+    t0 = time.perf_counter()
+    try:
+        say(f"starting 1 vLLM actor and 1 DeepSpeed learner rank on {model_path}…")
+        engines = launch_engines(dconf, model_path).ready()
+        info = engines.info
+        rows.append(passed("engines start", f"vLLM + learner up in {time.perf_counter() - t0:.0f} s (vLLM "
+                           f"{info['vllm_init_s']:.0f} s, learner {info['learner_setup_s']:.0f} s, in parallel)"))
+        rows.append(_kv(conf, engines))
+        say("weight-sync canary: learner → vLLM, log-probs of a fixed sequence…")
+        before, after, sync_s = canary(engines, model_path)
+        rows.append(sync_row(before, after, sync_tolerance(conf.model.dtype), sync_s, info["sync_method"]))
+    except Exception as exc:
+        done = {r.check for r in rows}
+        rows.append(from_error(next(n for n in names if n not in done), exc, ENGINES_FIX))
+        rows += [not_applicable(n, "not run: the check above failed") for n in names if n not in done][1:]
+    finally:  # a failed launch_engines / ready() has stopped its own actors already
+        if engines is not None:
+            engines.shutdown()
+        if not was_up and ray.is_initialized():
+            shutdown_ray()
+    return rows
+
+
+def _kv(conf: DictConfig, engines: Any) -> Row:
+    import ray
+
+    reported = float(ray.get(engines.workers[0].kv_cache_gib.remote()))
+    source = "the memory plan" if _on_gpu(conf) else f"rollout.kv_cache_gb={float(conf.rollout.kv_cache_gb):g}"
+    try:
+        expected = _expected_kv_gib(conf)
+    except Exception as exc:  # the plan cannot size the model here
+        return passed("vLLM KV cache", f"vLLM allocated {reported:.3g} GiB of KV cache (no plan: "
+                      f"{(str(exc).splitlines() or [''])[0][:120]})")
+    return kv_row(reported, expected, source)

@@ -1,0 +1,295 @@
+"""`stapoctl plan`: what every role needs per device and on disk, and whether it fits, before a
+job queues. Train, submit, sweep and their dry runs refuse a plan that cannot fit (exit 2, one
+line with the knob to turn) unless `plan.enforce=false`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from stapoctl.config.shapes import decoder_params
+from stapoctl.errors import UserError
+from stapoctl.preflight import memory as M
+from stapoctl.preflight.model_shape import model_shape
+
+
+class PlanRefused(UserError):
+    """A plan that cannot fit, with `plan.enforce` on."""
+
+
+class ShapeUnknown(UserError):
+    """The model's config.json is not here (an uncached hub id, an MLflow run id)."""
+
+
+@dataclass
+class RoleMemory:
+    role: str  # learner | reference | rollout | colocated
+    device: str  # "GPU" or "CPU"
+    per_device_gib: float
+    parts: dict[str, float]
+    count: int = 1  # devices (GPUs, or processes on the host) of this role
+    kv_cache_gib: Optional[float] = None
+    kv_tokens: Optional[float] = None
+    kv_sequences: Optional[float] = None
+
+
+@dataclass
+class DiskPlan:
+    directory: str
+    per_checkpoint_gib: float
+    per_rank_gib: float
+    checkpoints: int
+    total_gib: float
+    free_gib: Optional[float]
+    fits: bool
+
+
+@dataclass
+class Plan:
+    model: str
+    shape_source: str
+    params: int
+    device_gib: Optional[float]  # one GPU's memory (None: a CPU run, host memory below)
+    device_source: str
+    host_gib: float
+    roles: list[RoleMemory] = field(default_factory=list)
+    disk: Optional[DiskPlan] = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def role(self, name: str) -> Optional[RoleMemory]:
+        return next((r for r in self.roles if r.role == name), None)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "fits": self.fits}
+
+
+def _micro_tokens(conf: DictConfig) -> int:
+    """Padded tokens of the largest learner micro-batch: its rows at the longest prompt and
+    response, or the token budget (`learner.max_tokens_per_micro_batch`), which a single longer
+    row still exceeds in a micro-batch of its own."""
+    longest = int(conf.data.max_prompt_length) + int(conf.rollout.max_response_length)
+    rows = int(conf.learner.micro_batch_size) * longest
+    budget = int(conf.learner.get("max_tokens_per_micro_batch") or 0)
+    return min(rows, max(budget, longest)) if budget > 0 else rows
+
+
+def _max_model_len(conf: DictConfig, shape: dict) -> int:
+    want = int(conf.data.max_prompt_length) + max(int(conf.rollout.max_response_length),
+                                                  int(conf.eval.max_response_length))
+    return min(want, int(shape.get("max_position_embeddings") or want))
+
+
+def _device_memory(conf: DictConfig) -> tuple[Optional[float], str]:
+    on_gpu = float(conf.learner.gpus_per_rank or 0) > 0 or float(conf.rollout.gpus_per_worker or 0) > 0
+    if not on_gpu:
+        return None, "CPU run"
+    if conf.cluster.name == "local" and not conf.cluster.address:
+        from stapoctl.preflight.machine import local_gpus
+
+        if local_gpus():
+            import torch
+
+            mem = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+            return mem / M.GIB, f"{torch.cuda.get_device_name(0)} (found here)"
+    return float(conf.cluster.gpu_mem_gb), f"cluster.gpu_mem_gb={conf.cluster.gpu_mem_gb:g}"
+
+
+def host_memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / M.GIB
+
+
+def build_plan(conf: DictConfig, *, here: bool = True) -> Plan:
+    """Every role's memory, the checkpoints' disk, and the problems that make it not fit."""
+    shape, source = model_shape(conf)
+    if shape is None:
+        raise ShapeUnknown(f"plan: cannot size model.path={conf.model.path}: its config.json is not here ({source}); "
+                        "download the model (or only its config.json) or give a local model dir")
+    device_gib, device_source = _device_memory(conf)
+    plan = Plan(model=str(conf.model.path or "tiny"), shape_source=source, params=decoder_params(shape),
+                device_gib=device_gib, device_source=device_source, host_gib=host_memory_gib())
+    learner = _learner(conf, shape)
+    plan.roles.append(learner)
+    if float(conf.loss.get("kl_coef") or 0) > 0:
+        ref = M.reference_gib(shape, conf.model.dtype)
+        plan.roles.append(RoleMemory("reference", learner.device, ref, {"weights": ref}, learner.count))
+        learner.parts["reference"] = ref
+        learner.per_device_gib += ref
+    rollout = _rollout(conf, shape, device_gib)
+    plan.roles.append(rollout)
+    if conf.learner.placement == "colocated" and learner.device == "GPU":
+        total = learner.per_device_gib + rollout.per_device_gib
+        plan.roles.append(RoleMemory("colocated", "GPU", total, {"learner": learner.per_device_gib,
+                                                                "rollout": rollout.per_device_gib}, learner.count))
+    plan.disk = disk_plan(conf, shape)
+    plan.problems = _problems(conf, plan, shape, here=here)
+    return plan
+
+
+def _learner(conf: DictConfig, shape: dict) -> RoleMemory:
+    lr = conf.learner
+    on_gpu = float(lr.gpus_per_rank or 0) > 0
+    parts = M.learner_memory(shape, zero_stage=int(lr.zero_stage), num_ranks=int(lr.num_ranks),
+                             dtype=conf.model.dtype, micro_tokens=_micro_tokens(conf),
+                             gradient_checkpointing=bool(lr.gradient_checkpointing),
+                             logits_chunk=int(lr.logits_chunk_size), offload_optimizer=bool(lr.offload_optimizer),
+                             on_gpu=on_gpu, entropy_grad=float(conf.loss.get("entropy_coef") or 0) != 0,
+                             seq_len=int(conf.data.max_prompt_length) + int(conf.rollout.max_response_length))
+    total = parts.pop("total")
+    return RoleMemory("learner", "GPU" if on_gpu else "CPU", total, parts, int(lr.num_ranks))
+
+
+def _rollout(conf: DictConfig, shape: dict, device_gib: Optional[float]) -> RoleMemory:
+    r = conf.rollout
+    on_gpu = float(r.gpus_per_worker or 0) > 0
+    tp = int(r.tensor_parallel_size)
+    parts = M.rollout_memory(shape, dtype=conf.model.dtype, tp=tp, device_gib=device_gib if on_gpu else None,
+                             utilization=float(r.gpu_memory_utilization), kv_cache_gb=float(r.kv_cache_gb),
+                             max_model_len=_max_model_len(conf, shape), enforce_eager=bool(r.enforce_eager))
+    kv = {k: parts.pop(k) for k in ("kv_tokens", "kv_sequences")}
+    total = parts.pop("total")
+    return RoleMemory("rollout", "GPU" if on_gpu else "CPU", total, parts, int(r.num_workers) * (tp if on_gpu else 1),
+                      kv_cache_gib=parts["kv_cache"], **kv)
+
+
+def checkpoint_bytes_per_param(dtype: str, zero_stage: int) -> int:
+    """What learner/state_io.py writes per parameter: the HF model dir and DeepSpeed's module
+    states in the model's dtype, and the optimizer: fp32 master (kept separately in mixed
+    precision, and as a partition's copy under ZeRO >= 1) + Adam's two fp32 moments."""
+    d = M.dtype_bytes(dtype)
+    master = 4 if (d == 2 or zero_stage >= 1) else 0
+    return d + d + master + 8
+
+
+def disk_plan(conf: DictConfig, shape: dict) -> DiskPlan:
+    from stapoctl.preflight.run_dir import output_root
+
+    params = decoder_params(shape)
+    stage, ranks = int(conf.learner.zero_stage), int(conf.learner.num_ranks)
+    per_ckpt = params * checkpoint_bytes_per_param(conf.model.dtype, stage) / M.GIB
+    optimizer = params * (checkpoint_bytes_per_param(conf.model.dtype, stage) - 2 * M.dtype_bytes(conf.model.dtype))
+    per_rank = (optimizer / (ranks if stage >= 1 else 1) + 2 * params * M.dtype_bytes(conf.model.dtype)) / M.GIB
+    t = conf.trainer
+    saves = int(t.total_steps) // int(t.save_freq) if int(t.save_freq) > 0 else 0
+    keep = int(t.get("keep_checkpoints") or 0)
+    # a newer checkpoint is complete and verified before the oldest kept one goes
+    count = min(saves, keep + 1) if keep > 0 else saves
+    directory, _ = output_root(conf)
+    free = _free_gib(directory)
+    total = per_ckpt * count
+    fits = free is None or total <= free
+    return DiskPlan(str(directory), per_ckpt, per_rank, count, total, free, fits)
+
+
+def _free_gib(directory: Path) -> Optional[float]:
+    """Free space of the disk a directory is (or will be) on; None where no parent exists."""
+    for p in (directory, *directory.parents):
+        if p.exists():
+            return shutil.disk_usage(p).free / M.GIB
+    return None
+
+
+def _gib(x: float) -> str:
+    return f"{x:.1f} GiB" if x >= 0.95 else f"{x * 1024:.0f} MiB"
+
+
+def _learner_need(conf: DictConfig, shape: dict, changes: tuple[str, ...]) -> float:
+    from omegaconf import OmegaConf
+
+    trial = OmegaConf.merge(conf, OmegaConf.from_dotlist(list(changes)))
+    ref = M.reference_gib(shape, conf.model.dtype) if float(conf.loss.get("kl_coef") or 0) > 0 else 0.0
+    return _learner(trial, shape).per_device_gib + ref
+
+
+def _learner_fixes(conf: DictConfig, shape: dict, limit: float) -> str:
+    """The first single changes (else pairs) of the knobs that decide the learner's memory that fit."""
+    from itertools import combinations
+
+    lr = conf.learner
+    tries = [f"learner.zero_stage={s}" for s in range(int(lr.zero_stage) + 1, 4)]
+    tries += [f"learner.num_ranks={int(lr.num_ranks) * k}" for k in (2, 4, 8)]
+    if not lr.gradient_checkpointing:
+        tries.append("learner.gradient_checkpointing=true")
+    if int(lr.micro_batch_size) > 1:
+        tries.append("learner.micro_batch_size=1")
+    if not lr.offload_optimizer:
+        tries.append("learner.offload_optimizer=true")
+    for size in (1, 2):
+        fits = []
+        for changes in combinations(tries, size):
+            keys = [c.split("=")[0] for c in changes]
+            if len(set(keys)) < len(keys) or ("learner.offload_optimizer" in keys and int(lr.zero_stage) == 0
+                                              and not any(k == "learner.zero_stage" for k in keys)):
+                continue
+            need = _learner_need(conf, shape, changes)
+            if need <= limit:
+                fits.append(f"{' '.join(changes)} ({_gib(need)})")
+            if len(fits) == 2:
+                return "fits with " + " or ".join(fits)
+        if fits:
+            return "fits with " + fits[0]
+    return "no change of one or two knobs fits: a larger GPU, a smaller model, or tensor/sequence parallelism"
+
+
+def _problems(conf: DictConfig, plan: Plan, shape: dict, *, here: bool) -> list[str]:
+    out: list[str] = []
+    learner, rollout = plan.role("learner"), plan.role("rollout")
+    gpu = plan.device_gib
+    if learner.device == "GPU" and gpu is not None and learner.per_device_gib > gpu:
+        out.append(f"the learner needs {_gib(learner.per_device_gib)} per GPU and a GPU has {_gib(gpu)} "
+                   f"({plan.device_source}): {_learner_fixes(conf, shape, gpu)}")
+    if rollout.device == "GPU" and (rollout.kv_sequences or 0) < 1:
+        out.append(f"the rollout's KV cache holds {rollout.kv_tokens or 0:,.0f} tokens, less than one sequence of "
+                   f"{_max_model_len(conf, shape):,} (vLLM would not start): raise rollout.gpu_memory_utilization "
+                   f"(now {conf.rollout.gpu_memory_utilization:g}) or rollout.tensor_parallel_size, or shorten "
+                   "rollout/eval.max_response_length")
+    colocated = plan.role("colocated")
+    if colocated is not None and gpu is not None and colocated.per_device_gib > gpu:
+        out.append(f"colocated learner + rollout need {_gib(colocated.per_device_gib)} on one GPU of {_gib(gpu)}: "
+                   "lower rollout.gpu_memory_utilization, raise learner.zero_stage / learner.num_ranks, or use "
+                   "learner.placement=disaggregated")
+    out += _host_problems(conf, plan, here=here)
+    d = plan.disk
+    if here and d is not None and not d.fits:
+        out.append(f"{d.checkpoints} checkpoints of {_gib(d.per_checkpoint_gib)} need {_gib(d.total_gib)} and "
+                   f"{d.directory}'s disk has {_gib(d.free_gib or 0)} free: set trainer.keep_checkpoints=K, a larger "
+                   "trainer.save_freq, or trainer.output_dir on a bigger disk")
+    return out
+
+
+def _host_problems(conf: DictConfig, plan: Plan, *, here: bool) -> list[str]:
+    """CPU roles on this machine: their sum against its memory (a remote cluster's nodes differ)."""
+    if not here or conf.cluster.name != "local" or conf.cluster.address:
+        return []
+    need = sum(r.per_device_gib * r.count for r in plan.roles if r.device == "CPU" and r.role != "reference")
+    if need <= plan.host_gib:
+        return []
+    return [f"the CPU roles need {_gib(need)} and this machine has {_gib(plan.host_gib)}: fewer "
+            "rollout.num_workers / learner.num_ranks, a smaller rollout.kv_cache_gb, or a smaller model"]
+
+
+def enforce_plan(conf: DictConfig, *, here: bool = True, console=None) -> Optional[Plan]:
+    """Refuse (PlanRefused, one line) what cannot fit; `plan.enforce=false` warns instead."""
+    try:
+        plan = build_plan(conf, here=here)
+    except ShapeUnknown as exc:  # a hub model to download, or sized where the job runs
+        if console is not None:
+            console.print(f"[dim]{exc} — memory not checked[/]", highlight=False)
+        return None
+    if plan.fits:
+        return plan
+    message = "plan: " + plan.problems[0] + (f" (and {len(plan.problems) - 1} more: `stapoctl plan`)"
+                                               if len(plan.problems) > 1 else "")
+    if bool(conf.get("plan", {}).get("enforce", True)):
+        raise PlanRefused(message + "; plan.enforce=false runs it anyway")
+    if console is not None:
+        console.print(f"[yellow]warning:[/] {message} (plan.enforce=false: going on)", highlight=False)
+    return plan

