@@ -51,3 +51,11 @@ def known_shape(model_id: str) -> dict | None:
 def preset_name(model_id: str) -> str:
     """`Qwen/Qwen3-8B-Base` -> `qwen3_8b` (the model group's option name)."""
     return model_id.split("/")[-1].removesuffix("-Base").lower().replace("qwen3-", "qwen3_")
+
+
+def max_model_len(conf, shape: dict | None) -> int:
+    """vLLM's window: the prompt + the longest response training or validation asks for, within
+    the model's max_position_embeddings (shape: its config.json fields, None when unknown)."""
+    want = int(conf.data.max_prompt_length) + max(int(conf.rollout.max_response_length),
+                                                  int(conf.eval.max_response_length))
+    return min(want, int((shape or {}).get("max_position_embeddings") or want))

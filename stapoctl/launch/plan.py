@@ -10,7 +10,6 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
-from stapoctl.config.shapes import decoder_params
 from stapoctl.errors import UserError
 from stapoctl.launch.placement import check_fits, role_plans, total_need
 
@@ -33,31 +32,11 @@ def _notes(conf: DictConfig) -> dict[str, str]:
     }
 
 
-def _model_shape(conf: DictConfig):
-    """config.json's fields of the run's model: the tiny model's from its config, a local dir's
-    from its file; None for a hub id (known once downloaded)."""
-    import json
-    from pathlib import Path
-
-    if not conf.model.path:
-        t = conf.model.tiny
-        return {"hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
-                "num_hidden_layers": t.num_layers, "num_attention_heads": t.num_heads,
-                "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim, "vocab_size": t.vocab_size}
-    path = Path(str(conf.model.path)).expanduser() / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def reference_note(conf: DictConfig) -> str:
-    """Where the KL term's frozen reference lives and what it costs (see learner/reference.py)."""
-    shape = _model_shape(conf)
-    nbytes = 2 if str(conf.model.dtype) in ("bfloat16", "bf16") else 4
-    size = "the model's weights"
-    if shape:
-        gib = decoder_params(shape) * nbytes / 2**30
-        size = f"{gib:.3g} GiB" if gib >= 1 else f"{gib * 1024:.3g} MiB"
-    return (f"+ frozen reference policy (loss.kl_coef={conf.loss.kl_coef}) on each rank: {size} "
-            f"({conf.model.dtype}), no gradients or optimizer states")
+    """Where the KL term's frozen reference lives (learner/reference.py); its size is a row of the
+    memory plan `--cfg job` prints below (preflight/plan_report.py)."""
+    return (f"+ frozen reference policy (loss.kl_coef={conf.loss.kl_coef}) on each rank: its weights in "
+            f"{conf.model.dtype}, no gradients or optimizer states")
 
 
 def print_plan(conf: DictConfig, console: Console) -> None:

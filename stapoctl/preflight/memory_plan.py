@@ -12,7 +12,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from stapoctl.config.shapes import decoder_params
+from stapoctl.config.shapes import decoder_params, max_model_len
 from stapoctl.errors import UserError
 from stapoctl.preflight import memory as M
 from stapoctl.preflight.model_shape import model_shape
@@ -82,12 +82,6 @@ def _micro_tokens(conf: DictConfig) -> int:
     return min(rows, max(budget, longest)) if budget > 0 else rows
 
 
-def _max_model_len(conf: DictConfig, shape: dict) -> int:
-    want = int(conf.data.max_prompt_length) + max(int(conf.rollout.max_response_length),
-                                                  int(conf.eval.max_response_length))
-    return min(want, int(shape.get("max_position_embeddings") or want))
-
-
 def _device_memory(conf: DictConfig) -> tuple[Optional[float], str]:
     on_gpu = float(conf.learner.gpus_per_rank or 0) > 0 or float(conf.rollout.gpus_per_worker or 0) > 0
     if not on_gpu:
@@ -153,7 +147,7 @@ def _rollout(conf: DictConfig, shape: dict, device_gib: Optional[float]) -> Role
     tp = int(r.tensor_parallel_size)
     parts = M.rollout_memory(shape, dtype=conf.model.dtype, tp=tp, device_gib=device_gib if on_gpu else None,
                              utilization=float(r.gpu_memory_utilization), kv_cache_gb=float(r.kv_cache_gb),
-                             max_model_len=_max_model_len(conf, shape), enforce_eager=bool(r.enforce_eager))
+                             max_model_len=max_model_len(conf, shape), enforce_eager=bool(r.enforce_eager))
     kv = {k: parts.pop(k) for k in ("kv_tokens", "kv_sequences")}
     total = parts.pop("total")
     return RoleMemory("rollout", "GPU" if on_gpu else "CPU", total, parts, int(r.num_workers) * (tp if on_gpu else 1),
@@ -248,7 +242,7 @@ def _problems(conf: DictConfig, plan: Plan, shape: dict, *, here: bool) -> list[
                    f"({plan.device_source}): {_learner_fixes(conf, shape, gpu)}")
     if rollout.device == "GPU" and (rollout.kv_sequences or 0) < 1:
         out.append(f"the rollout's KV cache holds {rollout.kv_tokens or 0:,.0f} tokens, less than one sequence of "
-                   f"{_max_model_len(conf, shape):,} (vLLM would not start): raise rollout.gpu_memory_utilization "
+                   f"{max_model_len(conf, shape):,} (vLLM would not start): raise rollout.gpu_memory_utilization "
                    f"(now {conf.rollout.gpu_memory_utilization:g}) or rollout.tensor_parallel_size, or shorten "
                    "rollout/eval.max_response_length")
     colocated = plan.role("colocated")

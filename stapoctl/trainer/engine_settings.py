@@ -14,15 +14,13 @@ from omegaconf import DictConfig, OmegaConf
 
 def max_model_len(conf: DictConfig, model_path: str) -> int:
     """Prompt + the longest response training or validation asks for, within the model's window."""
-    want = int(conf.data.max_prompt_length) + max(
-        int(conf.rollout.max_response_length), int(conf.eval.max_response_length)
-    )
+    from stapoctl.config.shapes import max_model_len as window
+
     try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        limit = int(cfg.get("max_position_embeddings") or want)
+        shape = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
-        limit = want
-    return min(want, limit)
+        shape = None
+    return window(conf, shape)
 
 
 def thread_counts(conf: DictConfig) -> tuple[int, int]:
