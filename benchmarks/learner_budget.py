@@ -1,6 +1,6 @@
 """The learner step at real lengths: token-budget micro-batches against fixed ones, same batch.
 
-    stapoctl bench learner_budget [--repeats 3] [--budget 3584] [--quick]   # ~3 min on a quiet machine
+    stapoctl bench learner_budget [--repeats 3] [--budget 3584] [--quick]   # ~6.5 min on a quiet machine
 
 stapoctl's DeepSpeed `Learner` (in this process, fp32, 2 threads, ZeRO-0, under the MKL library
 stapoctl preloads into its learner actors: `launch/mkl_shim.py`) on the random 25M Qwen3 of the
@@ -19,11 +19,14 @@ Sides, alternating call by call (a round's order turns every round), each its ow
   micro-batch of the longest rows holds: the same peak), `micro_batch_size=16` (the cap: the whole
   mini-batch), `shared_prefix=false` (each row its own unit, sorted by length).
 - budget, prompts: the same with `shared_prefix=true` (a prompt's 8 rows stay together).
+- budget, packed: `remove_padding=true` (learner/packing.py: each micro-batch in one sequence, no
+  padding; the shared prefix auto = on: a prompt once, its responses attending to it), the same B
+  counted in real tokens: the same peak. Info (in its notes): packed with `shared_prefix=false`.
 - fixed without the shared prefix (info, in the notes): how much of a ratio is the prefix given up.
 
 Rows: response tokens/s of the update, budget / fixed (target >= 1.5x), for each budget
-side; the TRL row is N/A where TRL is not installed (and not measured yet where it is). Same-work
-checks: one batch, one optimizer step, the same loss, grad norm and old log-probs on every side
+side (packed: the issue's "no padding waste"); the TRL row is N/A where TRL is not installed (and
+not measured yet where it is). Same-work checks: one batch, one optimizer step, the same loss, grad norm and old log-probs on every side
 (1e-5), fp32, load average.
 """
 
@@ -48,6 +51,8 @@ SIDES = {  # name -> learner overrides (budget sides get max_tokens_per_micro_ba
     "fixed": {"micro_batch_size": 8},
     "budget_rows": {"micro_batch_size": PROMPTS * N, "shared_prefix": False},
     "budget_prompts": {"micro_batch_size": PROMPTS * N, "shared_prefix": True},
+    "budget_packed": {"micro_batch_size": PROMPTS * N, "remove_padding": True},  # shared prefix auto: on
+    "budget_packed_rows": {"micro_batch_size": PROMPTS * N, "remove_padding": True, "shared_prefix": False},
     "fixed_no_prefix": {"micro_batch_size": 8, "shared_prefix": False},  # info: the shared prefix's share
 }
 SAME_TOL = 1e-5
@@ -90,13 +95,22 @@ def make_learner(conf, model_dir: str, overrides: dict, loss_cfg: dict):
 def cut_of(learner, batch) -> dict:
     """Micro-batches and padded tokens of the update and the log-prob pass, as the learner cuts them."""
     from stapoctl.learner.micro_batches import padded_tokens
+    from stapoctl.learner.packing import packed_tokens
 
     p, r = batch.prompt_mask.sum(1).tolist(), batch.response_mask.sum(1).tolist()
     update, _ = learner._update_micro_batches(batch, slice(0, len(batch)))
     no_grad = learner._no_grad_micro_batches(batch)
     as_list = [mb if isinstance(mb, slice) else list(map(int, mb)) for mb in update]
-    return {"update_micro_batches": len(update), "update_padded_tokens": padded_tokens(p, r, as_list),
-            "log_prob_micro_batches": len(no_grad), "log_prob_padded_tokens": padded_tokens(p, r, no_grad),
+
+    def cost(micro) -> int:  # what the forward runs: padded tokens, or packed ones
+        if not learner.learner.get("remove_padding"):
+            return padded_tokens(p, r, micro)
+        rows = [range(len(p))[mb] if isinstance(mb, slice) else mb for mb in micro]
+        g = batch.group_ids.tolist() if learner._together() else None
+        return sum(packed_tokens([p[i] for i in mb], [r[i] for i in mb], g and [g[i] for i in mb]) for mb in rows)
+
+    return {"update_micro_batches": len(update), "update_padded_tokens": cost(as_list),
+            "log_prob_micro_batches": len(no_grad), "log_prob_padded_tokens": cost(no_grad),
             "real_tokens": int(sum(p) + sum(r)), "n_rows": len(batch),
             "update_cut": [str(mb) if isinstance(mb, slice) else mb for mb in as_list]}
 
@@ -214,7 +228,7 @@ def main(argv=None) -> int:
                                f"prompts {PROMPT_LENS[0]}–{PROMPT_LENS[1]}, lr 0, loss=dapo"),
         H.check("dtype", True, f"float32 every side, {torch.get_num_threads()} threads"), load.check()]
     rows = [budget_row(name, tok_s, times, cuts, checks, a.budget, lens, lp_s)
-            for name in ("budget_rows", "budget_prompts")]
+            for name in ("budget_rows", "budget_prompts", "budget_packed")]
     rows.append(trl_row(tok_s["budget_rows"], console))
     H.print_rows(rows, console, title=f"learner_budget ({time.perf_counter() - t_start:.0f} s)")
     config = {"repeats": repeats, "max_tokens_per_micro_batch": a.budget, "sides": SIDES, "prompts": PROMPTS,
@@ -230,7 +244,8 @@ def budget_row(name: str, tok_s: dict, times: dict, cuts: dict, checks: list, bu
     paired = H.summary([f / b for f, b in zip(times["fixed"], times[name])])["median"]
     med = {k: H.summary(v)["median"] for k, v in tok_s.items()}
     c, f, nf = cuts[name], cuts["fixed"], cuts["fixed_no_prefix"]
-    unit = "rows" if name == "budget_rows" else "prompts (shared prefix)"
+    unit = {"budget_rows": "rows", "budget_prompts": "prompts (shared prefix)",
+            "budget_packed": "prompts, packed (remove_padding, shared prefix)"}[name]
     return H.row(
         f"learner_{name}_25m", f"learner update tokens/s, token budget by {unit} vs fixed micro-batches, 25M, "
                                f"{c['n_rows']} rows of {lens[0]}–{lens[1]}-token responses",
@@ -238,12 +253,17 @@ def budget_row(name: str, tok_s: dict, times: dict, cuts: dict, checks: list, bu
         target_text=f"≥ {TARGET}×", ours_label=f"max_tokens_per_micro_batch={budget}, {unit}",
         peer_label="micro_batch_size=8, shared prefix on", checks=checks,
         notes=(f"ratio = median of paired time ratios (medians' ratio {med[name] / med['fixed']:.2f}×). Update: "
-               f"{c['update_micro_batches']} micro-batches, {c['update_padded_tokens']} padded tokens, against fixed "
+               f"{c['update_micro_batches']} micro-batches, {c['update_padded_tokens']} "
+               f"{'packed' if name == 'budget_packed' else 'padded'} tokens, against fixed "
                f"{f['update_micro_batches']} / {f['update_padded_tokens']} ({c['real_tokens']} real). Log-prob pass "
                f"(once, n=1): {c['log_prob_micro_batches']} / {c['log_prob_padded_tokens']} in {lp_s[name]:.1f} s, "
                f"fixed {f['log_prob_micro_batches']} / {f['log_prob_padded_tokens']} in {lp_s['fixed']:.1f} s. "
                f"Fixed micro-batches without the shared prefix: {H.fmt(med['fixed_no_prefix'], 'tok/s')} "
-               f"({med['fixed_no_prefix'] / med['fixed']:.2f}× fixed with it; {nf['update_padded_tokens']} padded)."),
+               f"({med['fixed_no_prefix'] / med['fixed']:.2f}× fixed with it; {nf['update_padded_tokens']} padded)."
+               + (f" Packed without the shared prefix: {H.fmt(med['budget_packed_rows'], 'tok/s')} "
+                  f"({med['budget_packed_rows'] / med['fixed']:.2f}× fixed; "
+                  f"{cuts['budget_packed_rows']['update_micro_batches']} / "
+                  f"{cuts['budget_packed_rows']['update_padded_tokens']} packed)." if name == "budget_packed" else "")),
     )
 
 

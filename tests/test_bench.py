@@ -178,7 +178,9 @@ def test_learner_budget_batch_spreads_lengths_and_its_sides_name_the_budget():
     groups = rewards.view(learner_budget.PROMPTS, learner_budget.N)
     assert bool((groups.max(1).values == 1).all() and (groups.min(1).values == -1).all())
     assert learner_budget.SIDES["fixed"]["micro_batch_size"] == 8
-    assert {k for k in learner_budget.SIDES if k.startswith("budget")} == {"budget_rows", "budget_prompts"}
+    budget_sides = {k for k in learner_budget.SIDES if k.startswith("budget")}
+    assert budget_sides == {"budget_rows", "budget_prompts", "budget_packed", "budget_packed_rows"}
+    assert learner_budget.SIDES["budget_packed"]["remove_padding"] is True
 
 
 def test_loss_clock_times_the_loss_library_and_restores_it():

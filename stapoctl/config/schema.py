@@ -159,10 +159,15 @@ class LearnerConfig:
     logits_chunk_size: int = spec(1024, range=POSITIVE_INT)
     gradient_checkpointing: bool = False
     # each distinct prompt of a micro-batch forwarded once, its K/V shared by its n responses
-    # (learner/shared_prefix.py; same log-probs and gradients; off under ZeRO-3 / checkpointing).
+    # (learner/shared_prefix.py; same log-probs and gradients; off under ZeRO-3, and under
+    # checkpointing unless remove_padding packs it: learner/packing.py).
     # null = auto: on for a CPU learner, off on a GPU, where the second pass's kernel launches
     # cost more than the prompt compute it saves (docs/PERFORMANCE.md, GPU section)
     shared_prefix: Optional[bool] = None
+    # each micro-batch's rows packed into one sequence, no padding, attention row by row; with the
+    # shared prefix on, a prompt once, its responses attending to it (learner/packing.py; same
+    # log-probs and gradients; a token budget then counts real tokens; not with ZeRO-3)
+    remove_padding: bool = False
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer state on CPU (stages 1-3)
     num_threads: int = 0  # intra-op threads per rank; 0 = auto (as rollout.num_threads)
 

@@ -80,7 +80,7 @@ def _check_cross_fields(conf: DictConfig) -> None:
             f"learner.ppo_mini_batch_size={lrn.ppo_mini_batch_size}: make the mini-batch divide the batch"
         )
     mini_rows, ranks = lrn.ppo_mini_batch_size * r.n, learner_ranks(lrn)
-    conflict = token_budget_conflict(lrn, conf.loss)
+    conflict = token_budget_conflict(lrn, conf.loss) or packing_conflict(lrn)
     if conflict:
         raise UserError(conflict)
     budget = int(lrn.get("max_tokens_per_micro_batch") or 0)  # on: micro_batch_size only caps the rows
@@ -124,6 +124,16 @@ def token_budget_conflict(learner: Any, loss: Any) -> Optional[str]:
         return (f"learner.max_tokens_per_micro_batch={budget} with loss.per_microbatch_norm=true: that loss "
                 "normalises each micro-batch by its own count, so a cut by length changes the update: "
                 "set one of them off")
+    return None
+
+
+def packing_conflict(learner: Any) -> Optional[str]:
+    """Why `learner.remove_padding` cannot be used with these settings (one line), or None."""
+    if not learner.get("remove_padding"):
+        return None
+    if int(learner.get("zero_stage", 0) or 0) == 3:
+        return ("learner.remove_padding=true needs learner.zero_stage <= 2: under ZeRO-3 the learner forwards "
+                "through DeepSpeed's partitioned module at the batch's padded widths: set one of them off")
     return None
 
 

@@ -260,8 +260,12 @@ class EngineSetup:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from stapoctl.learner import packing
+
         torch.manual_seed(seed + self.rank)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if bf16 else torch.float32)
+        if packing.enabled(learner):
+            packing.use_packed_attention(model)
         if learner.get("gradient_checkpointing"):
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -271,9 +275,9 @@ class EngineSetup:
         """Micro- and mini-batch sizes (`micro`, `mini_rows`); returns the accumulation steps a
         rank's share of a mini-batch takes in fixed micro-batches (DeepSpeed's config wants a count;
         the learner sets each mini-batch's boundary itself, see `micro_batches.MicroBatching`)."""
-        from stapoctl.config.validate import token_budget_conflict
+        from stapoctl.config.validate import packing_conflict, token_budget_conflict
 
-        conflict = token_budget_conflict(learner, self.loss_cfg)
+        conflict = token_budget_conflict(learner, self.loss_cfg) or packing_conflict(learner)
         if conflict:
             raise UserError(conflict)
         self.micro = int(learner["micro_batch_size"])

@@ -5,16 +5,18 @@ Fixed (`learner.max_tokens_per_micro_batch=0`, the default): consecutive runs of
 long response makes its whole micro-batch long.
 
 Token budget (`learner.max_tokens_per_micro_batch=B > 0`): the cost of a micro-batch is its padded
-tokens, rows × (trimmed prompt width + trimmed response width). The units (rows; with the
+tokens, rows × (trimmed prompt width + trimmed response width), or with `learner.remove_padding`
+(learner/packing.py) its packed tokens (a unit's shared prompt once). The units (rows; with the
 shared-prefix forward on, the runs of rows of one prompt, so that the prompt is forwarded once per
-micro-batch) are sorted by width, longest first, and cut greedily: a micro-batch takes the next
-unit while its cost stays ≤ B and its rows ≤ `learner.micro_batch_size` (then a cap); a unit that
-alone is over the budget gets a micro-batch of its own. Sorting puts rows of like lengths together,
-so less of a micro-batch is padding (a greedy fill: about half of the fixed split's padding remained
-in docs/PERFORMANCE.md's measurement; cuts placed to minimise it are a possible next step). verl balances its dynamic micro-batches with
-Karmarkar-Karp over the sum of real tokens (`seqlen_balancing.py`), because it removes the padding
-altogether; here the forward is padded, and grouping by length is what removes the padding. The cut
-depends on nothing but the batch's masks and group ids (ties keep row order), so the same batch
+micro-batch) are sorted by width, longest first, and cut into runs: a run's cost stays ≤ B and its
+rows ≤ `learner.micro_batch_size` (then a cap); a unit that alone is over the budget gets a
+micro-batch of its own. Of all such cuts the learner takes the one with the fewest micro-batches
+(fewer, larger forwards keep a GPU busy) and among those the least padding — an exact dynamic
+programme over the cut points, O(units × units in one micro-batch). A greedy fill of the same order left 10,639 padded tokens where this cut leaves
+9,786 (docs/PERFORMANCE.md's batch: 8,316 real, 12,992 in fixed micro-batches). verl balances its
+dynamic micro-batches with Karmarkar-Karp over the sum of real tokens (`seqlen_balancing.py`)
+because its forward has no padding; a padded forward is what grouping by length pays off for. The
+cut depends on nothing but the batch's masks and group ids (ties keep row order), so the same batch
 gives the same micro-batches and a resumed run recomputes the same update.
 
 The loss does not see the cut: the token-mean denominators, STAPO's h* and every group statistic are
@@ -49,31 +51,39 @@ def units_of(group_ids: Sequence[int], together: bool, max_rows: int = 0) -> lis
 
 
 def token_budget(prompt_lens: Sequence[int], response_lens: Sequence[int], units: list[list[int]], *,
-                 budget: int, max_rows: int = 0) -> list[list[int]]:
-    """Micro-batches (each a sorted list of row indices) of at most `budget` padded tokens and
-    `max_rows` rows (0 = no row cap); every row in exactly one. See the module's docstring."""
-    def width(u: list[int]) -> tuple[int, int]:
-        return max(prompt_lens[i] for i in u), max(response_lens[i] for i in u)
+                 budget: int, max_rows: int = 0, packed: bool = False) -> list[list[int]]:
+    """Micro-batches (each a sorted list of row indices) of at most `budget` tokens (padded, or
+    `packed`: as learner/packing.py forwards them) and `max_rows` rows (0 = no row cap); every row in exactly one. The fewest
+    micro-batches that runs of the length-sorted units allow, and among those the least padding
+    (see the module's docstring)."""
+    def width(u: list[int]) -> tuple[int, int, int]:  # packed, a unit's rows share one prompt
+        packed_cost = (max([prompt_lens[i] for i in u if response_lens[i]], default=0)
+                       + sum(response_lens[i] - 1 for i in u if response_lens[i]))
+        return max(prompt_lens[i] for i in u), max(response_lens[i] for i in u), packed_cost
 
-    widths = [width(u) for u in units]
-    order = sorted(range(len(units)), key=lambda k: (-(widths[k][0] + widths[k][1]), units[k][0]))
-    out: list[list[int]] = []
-    rows = p = r = 0
-    for k in order:
-        up, ur = widths[k]
-        n = len(units[k])
-        fits = out and (rows + n) * (max(p, up) + max(r, ur)) <= budget and (not max_rows or rows + n <= max_rows)
-        if fits:
-            out[-1].extend(units[k])
-            rows, p, r = rows + n, max(p, up), max(r, ur)
-        else:
-            out.append(list(units[k]))
-            rows, p, r = n, up, ur
-    return [sorted(mb) for mb in out]
+    w = [width(u) for u in units]
+    order = sorted(range(len(units)), key=lambda k: (-(w[k][0] + w[k][1]), units[k][0]))
+    best: list[tuple[int, int]] = [(0, 0)] + [(len(order) + 1, 0)] * len(order)  # (micro-batches, tokens)
+    cut_at = [0] * (len(order) + 1)
+    for i in range(len(order)):  # best[j]: the first j units; a run i..j-1 grows until over a limit
+        p = r = rows = real = 0
+        for j in range(i, len(order)):
+            k = order[j]
+            p, r, rows, real = max(p, w[k][0]), max(r, w[k][1]), rows + len(units[k]), real + w[k][2]
+            cost = real if packed else rows * (p + r)
+            if j > i and (cost > budget or (max_rows and rows > max_rows)):
+                break
+            if (best[i][0] + 1, best[i][1] + cost) < best[j + 1]:
+                best[j + 1], cut_at[j + 1] = (best[i][0] + 1, best[i][1] + cost), i
+    out, j = [], len(order)
+    while j:
+        out.append(sorted(x for k in order[cut_at[j]:j] for x in units[k]))
+        j = cut_at[j]
+    return out[::-1]
 
 
 def padded_tokens(prompt_lens: Sequence[int], response_lens: Sequence[int], micro: list) -> int:
-    """What the forward of these micro-batches costs in tokens: Σ rows × (prompt + response width)."""
+    """What the padded forward of these micro-batches costs in tokens: Σ rows × (prompt + response width)."""
     total = 0
     for mb in micro:
         idx = range(len(prompt_lens))[mb] if isinstance(mb, slice) else mb
@@ -105,7 +115,8 @@ class MicroBatching:
         lens_p = sub.prompt_mask.sum(dim=1).tolist()
         lens_r = sub.response_mask.sum(dim=1).tolist()
         units = units_of(sub.group_ids.tolist(), self._together(), max_rows)
-        return token_budget(lens_p, lens_r, units, budget=budget, max_rows=max_rows)
+        return token_budget(lens_p, lens_r, units, budget=budget, max_rows=max_rows,
+                            packed=bool(self.learner.get("remove_padding")))
 
     def _update_micro_batches(self, mini, mine: slice) -> tuple[list, int]:
         """This rank's micro-batches of the mini-batch (absolute mini-batch rows: slices when fixed,

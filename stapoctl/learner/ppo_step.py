@@ -44,7 +44,7 @@ class PPOStep:
     def _token_stats_on(self, mb, model=None, entropy_grad: bool = False):
         import torch
 
-        from stapoctl.learner import shared_prefix
+        from stapoctl.learner import packing, shared_prefix
         from stapoctl.losses import token_stats
 
         input_ids = mb.input_ids().to(self.device)
@@ -60,9 +60,16 @@ class PPOStep:
             return token_stats(logits[:, p - 1 : p + r - 1], labels, chunk_size=chunk,
                                temperature=self.temperature, return_sum_p2=True, **grad)
         model = self.module if model is None else model
+        share = shared_prefix.enabled(self.learner, self.device.type == "cuda")
+        if packing.enabled(self.learner):
+            stats = packing.packed_token_stats(model, mb, self.device, share, chunk_size=chunk,
+                                               temperature=self.temperature, return_sum_p2=True, **grad)
+            if stats is not None:
+                return stats
+            share = False  # no response token in the micro-batch: the plain forward below
         decoder = model.get_decoder()
         hidden = None
-        if shared_prefix.enabled(self.learner, self.device.type == "cuda"):
+        if share:
             hidden = shared_prefix.shared_prefix_hidden(decoder, input_ids, attn, pos, p, r)
         if hidden is None:
             hidden = decoder(input_ids=input_ids, attention_mask=attn, position_ids=pos)

@@ -32,11 +32,15 @@ class ReferencePolicy:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from stapoctl.learner import packing
+
         self.reference = None
         if path is None or not needs_reference(self.loss_cfg):
             return
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
         ref.config.use_cache = False
+        if packing.enabled(self.learner):
+            packing.use_packed_attention(ref)
         ref.requires_grad_(False)
         self.reference = ref.to(self.device).eval()
 

@@ -26,8 +26,12 @@ def enabled(learner: dict, on_cuda: bool) -> bool:
     every layer's kernels for a handful of rows, and the host launching them becomes the limit:
     a 0.6B step with 128-token prompts and 256-1024-token responses ran 1.54x slower with it
     (8.5k against 13.0k response tok/s, `stapoctl bench gpu_learner`) for the same kernel time.
-    Neither checkpointed layers nor ZeRO-3 keep the KV cache it is made of: off there."""
-    if learner.get("gradient_checkpointing") or int(learner.get("zero_stage") or 0) == 3:
+    Neither checkpointed layers nor ZeRO-3 keep the KV cache it is made of: off there. Packed
+    (`learner.remove_padding`), a prompt is one span its responses attend to (learner/packing.py):
+    no cache, so checkpointing keeps it."""
+    if int(learner.get("zero_stage") or 0) == 3:
+        return False
+    if learner.get("gradient_checkpointing") and not learner.get("remove_padding"):
         return False
     setting = learner.get("shared_prefix")
     return (not on_cuda) if setting is None else bool(setting)
