@@ -295,8 +295,11 @@ def trl_missing(console) -> bool:
 
         return False
     except ImportError:
-        console.print(f"[red]error:[/] TRL (the peer of the RL rows) is not installed; install the bench "
-                      f"extra: {sys.executable} -m pip install -e '{ROOT}[bench]'", highlight=False)
+        from rich.markup import escape
+
+        console.print("[red]error:[/] " + escape(f"TRL (the peer of the RL rows) is not installed; install the bench "
+                                                 f"extra: {sys.executable} -m pip install -e '{ROOT}[bench]'"),
+                      highlight=False)
         return True
 
 

@@ -1,6 +1,6 @@
 """The learner step at real lengths: token-budget micro-batches against fixed ones, same batch.
 
-    stapoctl bench learner_budget [--repeats 3] [--budget 3584] [--quick]   # ~6.5 min on a quiet machine
+    stapoctl bench learner_budget [--repeats 3] [--budget 3584] [--quick]   # ~8 min on a quiet machine
 
 stapoctl's DeepSpeed `Learner` (in this process, fp32, 2 threads, ZeRO-0, under the MKL library
 stapoctl preloads into its learner actors: `launch/mkl_shim.py`) on the random 25M Qwen3 of the
@@ -25,8 +25,9 @@ Sides, alternating call by call (a round's order turns every round), each its ow
 - fixed without the shared prefix (info, in the notes): how much of a ratio is the prefix given up.
 
 Rows: response tokens/s of the update, budget / fixed (target >= 1.5x), for each budget
-side (packed: the issue's "no padding waste"); the TRL row is N/A where TRL is not installed (and
-not measured yet where it is). Same-work checks: one batch, one optimizer step, the same loss, grad norm and old log-probs on every side
+side (packed: the issue's "no padding waste"); TRL's update of the same batch (`_trl_update.py`:
+GRPOTrainer's own loss and backward on its padded micro-batches of 8 rows) against the packed side,
+N/A where TRL is not installed. Same-work checks: one batch, one optimizer step, the same loss, grad norm and old log-probs on every side
 (1e-5), fp32, load average.
 """
 
@@ -125,19 +126,19 @@ def log_prob_pass(sides: dict, batch) -> tuple[dict, dict]:
     return secs, lps
 
 
-def measure(sides: dict, batch, repeats: int, load) -> tuple[dict, dict]:
-    """Alternating updates (the CPU default path: vLLM's log-probs as the old ones, no measuring
-    pass, so each update starts with its mini-batch's no-grad pass); per side the seconds and the
-    last call's metrics."""
-    secs = {k: [] for k in sides}
+def measure(calls: dict, repeats: int, load) -> tuple[dict, dict]:
+    """Alternating updates, `calls[name](round)` each (stapoctl's: the CPU default path, vLLM's
+    log-probs as the old ones, no measuring pass, so each update starts with its mini-batch's no-grad
+    pass); per side the seconds and the last call's metrics."""
+    secs = {k: [] for k in calls}
     metrics = {}
-    names = list(sides)
+    names = list(calls)
     for r in range(repeats + 1):  # round 0 is the warm-up
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             load.mark(name)
             t0 = time.perf_counter()
-            m = sides[name].train_step(batch, r + 1, old_logprob_source="rollout", measure=False)
+            m = calls[name](r)
             dt = time.perf_counter() - t0
             if r:
                 secs[name].append(dt)
@@ -145,11 +146,28 @@ def measure(sides: dict, batch, repeats: int, load) -> tuple[dict, dict]:
     return secs, metrics
 
 
+def update_calls(sides: dict, batch, trl) -> dict:
+    """name -> one update of `batch`; TRL's (`_trl_update`) where `trl` = (trainer, its inputs)."""
+    calls = {name: (lambda r, lrn=lrn: lrn.train_step(batch, r + 1, old_logprob_source="rollout", measure=False))
+             for name, lrn in sides.items()}
+    if trl is not None:
+        import _trl_update
+
+        calls["trl"] = lambda r: _trl_update.update(*trl)
+    return calls
+
+
 def same_work(metrics: dict, lps: dict, base: str = "fixed") -> list[dict]:
     out = []
     ref = metrics[base]
+    if "trl" in metrics:
+        t = metrics["trl"]
+        ok = (abs(t["loss"] - ref["actor/pg_loss"]) <= SAME_TOL * max(1.0, abs(ref["actor/pg_loss"]))
+              and abs(t["grad_norm"] - ref["actor/grad_norm"]) <= SAME_TOL * max(1.0, ref["actor/grad_norm"]))
+        out.append(H.check("same_trl", ok, f"TRL (loss_type=dapo): loss {t['loss']:.6g} vs {ref['actor/pg_loss']:.6g}, "
+                                           f"grad norm {t['grad_norm']:.6g} vs {ref['actor/grad_norm']:.6g}"))
     for name, m in metrics.items():
-        if name == base:
+        if name in (base, "trl"):
             continue
         lp = float((lps[name] - lps[base]).abs().max())
         ok = (abs(m["actor/pg_loss"] - ref["actor/pg_loss"]) <= SAME_TOL * max(1.0, abs(ref["actor/pg_loss"]))
@@ -161,19 +179,36 @@ def same_work(metrics: dict, lps: dict, base: str = "fixed") -> list[dict]:
     return out
 
 
-def trl_row(tokens_s_fixed, console) -> dict:
-    """TRL's GRPO update of the same batch, or N/A (and why) where TRL is absent."""
-    common = dict(unit="tok/s", lower_is_better=False, target=None, target_text="(info)",
-                  ours_label="max_tokens_per_micro_batch (rows)", peer_label="TRL GRPOTrainer")
+def trl_side(mdir: str, batch, console):
+    """(GRPOTrainer, its micro-batches of `batch`) at the fixed side's 8 rows, or None without TRL."""
     if H.trl_missing(console):
-        return H.row("learner_budget_25m_trl", "learner step at real lengths vs TRL, random Qwen3 h512 L8 (25M)",
-                     ours=tokens_s_fixed, peer=None, status="N/A",
+        return None
+    import _trl_update
+
+    trainer = _trl_update.make_trainer(mdir, len(batch), N, SIDES["fixed"]["micro_batch_size"],
+                                       int(batch.response_mask.sum(1).max()))
+    return trainer, _trl_update.micro_batches(batch, SIDES["fixed"]["micro_batch_size"])
+
+
+def trl_row(times: dict, tok_s: dict, metrics: dict, checks: list) -> dict:
+    """TRL's GRPO update of the same batch against the packed token budget, or N/A without TRL."""
+    common = dict(unit="tok/s", lower_is_better=False, target=None, target_text="(info)",
+                  ours_label="max_tokens_per_micro_batch + remove_padding (packed)",
+                  peer_label="TRL GRPOTrainer, 8-row micro-batches")
+    title = "learner update at real lengths vs TRL, random Qwen3 h512 L8 (25M)"
+    if "trl" not in times:
+        return H.row("learner_budget_25m_trl", title, ours=tok_s["budget_packed"], peer=None, status="N/A",
                      notes="TRL is not installed here (pip install -e '.[bench]'): no TRL measurement in this run.",
                      **common)
-    return H.row("learner_budget_25m_trl", "learner step at real lengths vs TRL, random Qwen3 h512 L8 (25M)",
-                 ours=tokens_s_fixed, peer=None, status="NOT MEASURED",
-                 notes="TRL is installed, but its side of this row is not written yet: it needs TRL's GRPO loss "
-                       "over these fixed inputs (its micro-batches padded to the longest completion).", **common)
+    paired = H.summary([t / b for t, b in zip(times["trl"], times["budget_packed"])])["median"]
+    fixed = H.summary([t / f for t, f in zip(times["trl"], times["fixed"])])["median"]
+    return H.row("learner_budget_25m_trl", title, ours=tok_s["budget_packed"], peer=tok_s["trl"], ratio=paired,
+                 checks=checks, notes=(
+                     f"ratio = median of paired time ratios, TRL / packed; TRL / fixed micro-batches {fixed:.2f}×. "
+                     f"TRL forwards {metrics['trl']['padded_tokens']} tokens (prompts and completions padded to the "
+                     "batch's longest, as its generation batch is) in 4 micro-batches, with no pass before the "
+                     "update (on-policy); stapoctl's sides also run their no-grad pass for the loss statistics."),
+                 **common)
 
 
 def with_mkl_shim() -> None:
@@ -217,7 +252,7 @@ def main(argv=None) -> int:
     try:
         lp_s, lps = log_prob_pass(sides, batch)
         batch = batch.with_(rollout_log_probs=lps["fixed"])  # on-policy: ratio 1 at lr 0
-        times, metrics = measure(sides, batch, repeats, load)
+        times, metrics = measure(update_calls(sides, batch, trl_side(mdir, batch, console)), repeats, load)
     finally:
         for lrn in sides.values():
             lrn.shutdown()
@@ -229,7 +264,7 @@ def main(argv=None) -> int:
         H.check("dtype", True, f"float32 every side, {torch.get_num_threads()} threads"), load.check()]
     rows = [budget_row(name, tok_s, times, cuts, checks, a.budget, lens, lp_s)
             for name in ("budget_rows", "budget_prompts", "budget_packed")]
-    rows.append(trl_row(tok_s["budget_rows"], console))
+    rows.append(trl_row(times, tok_s, metrics, checks))
     H.print_rows(rows, console, title=f"learner_budget ({time.perf_counter() - t_start:.0f} s)")
     config = {"repeats": repeats, "max_tokens_per_micro_batch": a.budget, "sides": SIDES, "prompts": PROMPTS,
               "n": N, "prompt_lens": PROMPT_LENS, "response_lens": lens, "model": "25m", "loss": "dapo",

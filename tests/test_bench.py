@@ -183,6 +183,25 @@ def test_learner_budget_batch_spreads_lengths_and_its_sides_name_the_budget():
     assert learner_budget.SIDES["budget_packed"]["remove_padding"] is True
 
 
+def test_trl_side_of_learner_budget_pads_as_trl_does():
+    """TRL's micro-batches of the budget bench's batch: the same rows and tokens, prompts left-padded
+    and completions right-padded to the whole batch's longest, the window's token count attached."""
+    import _trl_update
+    import learner_budget
+
+    batch, rewards = learner_budget.fixed_batch(512)
+    batch = batch.with_(advantages=rewards)
+    micro = _trl_update.micro_batches(batch, 8)
+    longest_p, longest_r = int(batch.prompt_mask.sum(1).max()), int(batch.response_mask.sum(1).max())
+    assert len(micro) == 4
+    for k, mb in enumerate(micro):
+        assert mb["prompt_ids"].shape == (8, longest_p) and mb["completion_ids"].shape == (8, longest_r)
+        assert bool(mb["prompt_mask"][:, -1].all()) and bool(mb["completion_mask"][:, 0].all())
+        assert int(mb["num_items_in_batch"]) == int(batch.response_mask.sum())
+        assert mb["advantages"].tolist() == rewards[8 * k: 8 * k + 8].tolist()
+    assert sum(int(mb["completion_mask"].sum()) for mb in micro) == int(batch.response_mask.sum())
+
+
 def test_loss_clock_times_the_loss_library_and_restores_it():
     import torch
 
