@@ -122,3 +122,21 @@ def test_refused_with_zero3(learner, tiny_dir):
                       n_per_prompt=N, seed=0)
     conf = compose_config(["learner.remove_padding=true", "learner.max_tokens_per_micro_batch=256"])
     assert conf.learner.remove_padding is True
+
+
+def test_sliding_window_models_are_refused():
+    """The packed attention is causal within a span with no window: a model with sliding-window
+    layers would silently attend too far, so packing it is refused in one line."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from stapoctl.errors import UserError
+    from stapoctl.learner import packing
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16)
+    windowed = Qwen3Config(**shape, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with pytest.raises(UserError, match="sliding-window attention"):
+        packing.use_packed_attention(AutoModelForCausalLM.from_config(windowed))
+    plain = AutoModelForCausalLM.from_config(Qwen3Config(**shape))
+    packing.use_packed_attention(plain)
+    assert plain.config._attn_implementation == "stapo_packed"

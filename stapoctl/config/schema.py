@@ -166,7 +166,8 @@ class LearnerConfig:
     shared_prefix: Optional[bool] = None
     # each micro-batch's rows packed into one sequence, no padding, attention row by row; with the
     # shared prefix on, a prompt once, its responses attending to it (learner/packing.py; same
-    # log-probs and gradients; a token budget then counts real tokens; not with ZeRO-3)
+    # log-probs and gradients; a token budget then counts packed tokens; not with ZeRO-3 or
+    # sliding-window layers). Off by default; untested on a GPU (docs/PERFORMANCE.md)
     remove_padding: bool = False
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer state on CPU (stages 1-3)
     num_threads: int = 0  # intra-op threads per rank; 0 = auto (as rollout.num_threads)

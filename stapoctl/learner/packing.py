@@ -41,6 +41,11 @@ def use_packed_attention(model: Any) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    from stapoctl.errors import UserError
+
+    if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
+        raise UserError("learner.remove_padding=true: this model has sliding-window attention layers, which the "
+                        "packed attention does not window: set learner.remove_padding=false")
     AttentionInterface.register(ATTENTION, packed_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model.config._attn_implementation = ATTENTION
