@@ -59,7 +59,6 @@ def update(trainer, inputs: list[dict]) -> dict:
 
     model = trainer.model
     model.train()
-    trainer._step = 0
     trainer.current_gradient_accumulation_steps = len(inputs)  # what Trainer's loop sets per window
     t0 = time.perf_counter()
     total = 0.0

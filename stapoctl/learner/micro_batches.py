@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from stapoctl.learner import packing
+
 
 def fixed(rows: int, micro: int) -> list[slice]:
     return [slice(s, min(s + micro, rows)) for s in range(0, rows, micro)]
@@ -57,9 +59,8 @@ def token_budget(prompt_lens: Sequence[int], response_lens: Sequence[int], units
     micro-batches that runs of the length-sorted units allow, and among those the least padding
     (see the module's docstring)."""
     def width(u: list[int]) -> tuple[int, int, int]:  # packed, a unit's rows share one prompt
-        packed_cost = (max([prompt_lens[i] for i in u if response_lens[i]], default=0)
-                       + sum(response_lens[i] - 1 for i in u if response_lens[i]))
-        return max(prompt_lens[i] for i in u), max(response_lens[i] for i in u), packed_cost
+        p, r = [prompt_lens[i] for i in u], [response_lens[i] for i in u]
+        return max(p), max(r), packing.packed_tokens(p, r, groups=[0] * len(u))
 
     w = [width(u) for u in units]
     order = sorted(range(len(units)), key=lambda k: (-(w[k][0] + w[k][1]), units[k][0]))
@@ -116,7 +117,7 @@ class MicroBatching:
         lens_r = sub.response_mask.sum(dim=1).tolist()
         units = units_of(sub.group_ids.tolist(), self._together(), max_rows)
         return token_budget(lens_p, lens_r, units, budget=budget, max_rows=max_rows,
-                            packed=bool(self.learner.get("remove_padding")))
+                            packed=packing.enabled(self.learner))
 
     def _update_micro_batches(self, mini, mine: slice) -> tuple[list, int]:
         """This rank's micro-batches of the mini-batch (absolute mini-batch rows: slices when fixed,
