@@ -220,7 +220,7 @@ def main(argv=None) -> int:
                     clock.t = 0.0
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    m = lrn.train_step(b, r + 1)
+                    m = lrn.train_step(b, r + 1).metrics
                     torch.cuda.synchronize()
                     dt = time.perf_counter() - t0
                     if r:

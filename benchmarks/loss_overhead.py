@@ -113,12 +113,12 @@ def main(argv=None) -> int:
                     learner, b = learners[name]
                     clock.t = 0.0
                     t0 = time.perf_counter()
-                    m = learner.train_step(b, r + 1)
+                    m = learner.train_step(b, r + 1).metrics
                     dt = time.perf_counter() - t0
                     if r:
                         step_s[name].append(dt)
                         loss_s[name].append(clock.t)
-                    metrics[name] = {k: v for k, v in m.items() if not k.startswith("_")}
+                    metrics[name] = dict(m)
     finally:
         for learner, _ in learners.values():
             learner.shutdown()

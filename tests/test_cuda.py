@@ -131,9 +131,10 @@ def test_deepspeed_learner_on_cuda_equals_plain_torch_reference(tmp_path, zero_s
     learner.setup(model_dir, cfg, loss_cfg, n_per_prompt=4, seed=0, master_port=free_port())
     try:
         assert learner.device.type == "cuda" and next(learner.module.parameters()).is_cuda
-        metrics = learner.train_step(batch, global_step=1)
+        result = learner.train_step(batch, global_step=1)
+        metrics = result.metrics
         ref_model, ref_old, ref_norms, ref_losses = reference_updates(model_dir, batch, 2 * 4)
-        torch.testing.assert_close(metrics["_old_log_probs"], ref_old, atol=1e-5, rtol=0)
+        torch.testing.assert_close(result.old_log_probs, ref_old, atol=1e-5, rtol=0)
         assert metrics["actor/grad_norm"] == pytest.approx(sum(ref_norms) / 2, rel=1e-4)
         assert metrics["actor/pg_loss"] == pytest.approx(sum(ref_losses) / 2, abs=1e-5)
         got = learner.full_state_dict()

@@ -107,11 +107,12 @@ def test_grpo_update_equals_plain_torch_reference(tiny_dir, zero_stage):
     learner.setup(tiny_dir, learner_cfg, loss_cfg, n_per_prompt=N, seed=0)
     assert learner.grad_accum == 2  # 2 prompts × 4 samples = 8 rows = 2 micro-batches of 4
 
-    metrics = learner.train_step(batch, global_step=1)
+    result = learner.train_step(batch, global_step=1)
+    metrics = result.metrics
     ref_model, ref_old, ref_norms, ref_losses = reference_updates(tiny_dir, batch, mini_prompts * N)
 
     # old log-probs: chunked token_stats over hidden states == full log_softmax
-    assert torch.allclose(metrics["_old_log_probs"], ref_old, atol=1e-6, rtol=0)
+    assert torch.allclose(result.old_log_probs, ref_old, atol=1e-6, rtol=0)
     # metrics average the two mini-batches
     assert metrics["actor/grad_norm"] == pytest.approx(sum(ref_norms) / 2, rel=1e-5)
     assert metrics["actor/pg_loss"] == pytest.approx(sum(ref_losses) / 2, abs=1e-6)

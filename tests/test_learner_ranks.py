@@ -66,9 +66,9 @@ def run_case(handles, model_dir, zero_stage, loss, batch):
     ranks = len(handles)
     ray.get([h.reset.remote(model_dir, learner_cfg(zero_stage, ranks), loss_cfg(loss), n_per_prompt=N, seed=0)
              for h in handles])
-    metrics = ray.get([h.train_step.remote(batch, 1) for h in handles])[0]
+    result = ray.get([h.train_step.remote(batch, 1) for h in handles])[0]
     weights = ray.get([h.full_state_dict.remote() for h in handles])[0]
-    return metrics, weights
+    return result, weights
 
 
 @pytest.mark.parametrize("loss", ["grpo", "stapo"])
@@ -77,14 +77,15 @@ def test_two_ranks_equal_one_rank(groups, zero_stage, loss):
     from transformers import AutoTokenizer
 
     batch = fixed_batch(AutoTokenizer.from_pretrained(groups["dir"]).pad_token_id)
-    one, w1 = run_case(groups[1], groups["dir"], zero_stage, loss, batch)
-    two, w2 = run_case(groups[2], groups["dir"], zero_stage, loss, batch)
+    one_step, w1 = run_case(groups[1], groups["dir"], zero_stage, loss, batch)
+    two_step, w2 = run_case(groups[2], groups["dir"], zero_stage, loss, batch)
+    one, two = one_step.metrics, two_step.metrics
 
     assert one["actor/optimizer_steps"] == two["actor/optimizer_steps"] == 2  # two mini-batches
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac", "stapo/spurious_ratio",
                 "stapo/entropy_threshold", "loss/response_tokens"):
         assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
-    assert torch.allclose(two["_old_log_probs"], one["_old_log_probs"], atol=1e-6, rtol=0)
+    assert torch.allclose(two_step.old_log_probs, one_step.old_log_probs, atol=1e-6, rtol=0)
     worst = max(float((w2[k] - w1[k]).abs().max()) for k in w1)
     assert worst < 1e-5, f"2-rank weights differ from 1-rank weights by {worst:.3g}"
     if loss == "stapo":  # the global h* / renormaliser matter only if the mask fired
@@ -103,6 +104,6 @@ def test_reset_restores_the_base_weights_and_a_fresh_optimizer(groups):
     batch = fixed_batch(AutoTokenizer.from_pretrained(groups["dir"]).pad_token_id)
     first, w_first = run_case(groups[2], groups["dir"], 0, "grpo", batch)
     again, w_again = run_case(groups[2], groups["dir"], 0, "grpo", batch)
-    assert again["actor/pg_loss"] == first["actor/pg_loss"]
-    assert again["actor/grad_norm"] == first["actor/grad_norm"]
+    assert again.metrics["actor/pg_loss"] == first.metrics["actor/pg_loss"]
+    assert again.metrics["actor/grad_norm"] == first.metrics["actor/grad_norm"]
     assert max(float((w_again[k] - w_first[k]).abs().max()) for k in w_first) == 0.0

@@ -51,16 +51,17 @@ def test_kl_to_the_frozen_reference_is_zero_before_the_first_update_then_positiv
     assert plain.reference is None  # no KL term: no second copy of the weights
     learner = make_learner(tiny_dir, mini_prompts=4, kl_coef=0.1, kl_estimator="k3")
     assert learner.reference is not None and not any(p.requires_grad for p in learner.reference.parameters())
-    first = learner.train_step(batch, global_step=1)  # one mini-batch of 4 prompts: one update
+    first = learner.train_step(batch, global_step=1).metrics  # one mini-batch of 4 prompts: one update
     assert first["actor/kl_loss"] == 0.0  # π = π_ref before any update: k3 = e^0 - 0 - 1 = 0
     assert first["timing_s/ref_policy"] > 0
-    second = learner.train_step(batch, global_step=2)
+    second_step = learner.train_step(batch, global_step=2)
+    second = second_step.metrics
     # by hand: GRPO's seq-mean-token-mean of k3 = exp(ref - lp) - (ref - lp) - 1 at the weights
     # the second step starts from (its one mini-batch is the whole batch, so lp = its old log-probs)
     base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     with torch.no_grad():
         ref = reference_log_probs(base, batch)
-    lp = second["_old_log_probs"]
+    lp = second_step.old_log_probs
     d = torch.where(batch.response_mask, ref - lp, 0.0)
     per_token = torch.where(batch.response_mask, d.exp() - d - 1, 0.0)
     k3 = (per_token.sum(1) / batch.response_mask.sum(1)).mean()
@@ -74,11 +75,12 @@ def test_entropy_bonus_is_the_aggregated_entropy_and_moves_the_update(tiny_dir):
     batch = batch_for(tiny_dir)
     with_bonus = make_learner(tiny_dir, mini_prompts=4, entropy_coef=0.5)
     without = make_learner(tiny_dir, mini_prompts=4)
-    m1 = with_bonus.train_step(batch, global_step=1)
-    m0 = without.train_step(batch, global_step=1)
+    m1 = with_bonus.train_step(batch, global_step=1).metrics
+    m0_step = without.train_step(batch, global_step=1)
+    m0 = m0_step.metrics
     # one mini-batch at the initial weights: GRPO's seq-mean-token-mean of H, by hand
     mask = batch.response_mask
-    h = torch.where(mask, m0["_entropy"], 0.0)
+    h = torch.where(mask, m0_step.entropy, 0.0)
     by_hand = float((h.sum(1) / mask.sum(1)).mean())
     assert m1["actor/entropy_loss"] == pytest.approx(by_hand, rel=1e-5)
     assert "actor/entropy_loss" not in m0  # no bonus: the metric set is today's
@@ -94,9 +96,10 @@ def test_token_tis_weight_checked_by_hand_against_the_log_probs(tiny_dir):
     token_tis's weight min(π_old / 1, C) = π_old: every weight is below 1 and none is capped."""
     batch = batch_for(tiny_dir)
     learner = make_learner(tiny_dir, rollout_correction="token_tis", rollout_is_cap=2.0)
-    m = learner.train_step(batch, global_step=1)
+    step = learner.train_step(batch, global_step=1)
+    m = step.metrics
     mask = batch.response_mask
-    old = m["_old_log_probs"]
+    old = step.old_log_probs
     half = len(batch) // 2  # metrics average the two mini-batches; the ratio uses the step's old log-probs
     per_mb = [torch.where(mask[s], old[s].exp(), 0.0).sum() / mask[s].sum()
               for s in (slice(0, half), slice(half, None))]
@@ -113,8 +116,8 @@ def test_token_tis_weight_checked_by_hand_against_the_log_probs(tiny_dir):
 
 def test_auto_correction_leaves_a_fresh_synchronous_batch_alone(tiny_dir):
     batch = batch_for(tiny_dir)
-    m = make_learner(tiny_dir).train_step(batch, global_step=1)
+    m = make_learner(tiny_dir).train_step(batch, global_step=1).metrics
     assert not any(k.startswith("rollout_corr/") for k in m)
-    off = make_learner(tiny_dir, rollout_correction="off").train_step(batch, global_step=1)
+    off = make_learner(tiny_dir, rollout_correction="off").train_step(batch, global_step=1).metrics
     assert off["rollout_corr/ratio_mean"] < 1.0  # measured ...
     assert off["actor/pg_loss"] == pytest.approx(m["actor/pg_loss"], abs=1e-7)  # ... and not applied

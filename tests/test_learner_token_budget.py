@@ -118,8 +118,8 @@ def capture_steps(learner) -> list[dict]:
 def run(learner, model_dir, lcfg: dict, loss: str, batch) -> dict:
     learner.reset(model_dir, lcfg, loss_cfg(loss), n_per_prompt=N, seed=0, max_response_length=48)
     grads = capture_steps(learner)
-    metrics = learner.train_step(batch, global_step=1)
-    return {"metrics": metrics, "grads": grads, "weights": learner.full_state_dict(),
+    result = learner.train_step(batch, global_step=1)
+    return {"metrics": result.metrics, "old_log_probs": result.old_log_probs, "grads": grads, "weights": learner.full_state_dict(),
             "ds_steps": learner.engine.global_steps}
 
 
@@ -127,7 +127,7 @@ def assert_same_update(got: dict, want: dict) -> None:
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "loss/response_tokens"):
         if key in want["metrics"]:
             assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5, abs=1e-6), key
-    torch.testing.assert_close(got["metrics"]["_old_log_probs"], want["metrics"]["_old_log_probs"],
+    torch.testing.assert_close(got["old_log_probs"], want["old_log_probs"],
                                atol=1e-5, rtol=0)
     assert len(got["grads"]) == len(want["grads"]) == 2  # one optimizer step per mini-batch and epoch
     for g_got, g_want in zip(got["grads"], want["grads"]):
@@ -246,7 +246,7 @@ def _rank_worker(rank: int, port: int, model_dir: str, queue) -> None:
             metrics = lrn.train_step(spread_batch(), global_step=1)
             # numpy, not tensors: a tensor crosses a Queue as a shared-memory handle that dies with this process
             weights = {k: v.numpy() for k, v in lrn.full_state_dict().items()}
-            queue.put((rank, zero, {k: v for k, v in metrics.items() if not k.startswith("_")},
+            queue.put((rank, zero, dict(metrics.metrics),
                        len(zero_weight), weights if rank == 0 else None, lrn.engine.global_steps))
     except BaseException as exc:  # reported to the parent, which fails the test
         queue.put((rank, -1, repr(exc), 0, None, 0))

@@ -132,7 +132,7 @@ def test_config_errors_name_the_field(overrides, message):
 
 
 def test_weight_sync_method_choice():
-    from stapoctl.sync.transfer import choose_method
+    from stapoctl.sync.transports import choose_method
 
     assert choose_method("auto", on_gpu=False, placement="disaggregated") == "object_store"
     assert choose_method("auto", on_gpu=True, placement="colocated") == "ipc"

@@ -97,7 +97,7 @@ def test_logprob_diff_canary_detects_a_skipped_sync(engines):
                                                  seed=seed, pad_id=pad))
         adv = torch.tensor([1.0, -1.0] * (len(batch) // 2))  # a real, non-zero update
         batch = batch.with_(rewards=adv.clone(), advantages=adv)
-        return ray.get(learner.train_step.remote(batch, seed, "recompute"))
+        return ray.get(learner.train_step.remote(batch, seed, "recompute")).metrics
 
     synced = step(1)
     assert synced["rollout/logprob_diff_max"] < 1e-4

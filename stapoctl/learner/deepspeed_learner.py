@@ -2,7 +2,8 @@
 
 The actor is assembled from these concepts, each in its own module:
 `engine_setup` (process group, model, optimizer, schedule; `reset` for a new sweep trial),
-`ppo_step` (recompute old log-probs, PPO mini-batch updates with the configured loss),
+`ppo_step` (recompute old log-probs, PPO mini-batch updates with the configured loss; a typed
+`StepResult` back), `forward` (the forward passes), `data_parallel` (rows per rank, gathers),
 `micro_batches` (fixed or token-budget micro-batches), `reference` (the KL term's frozen policy)
 and `state_io` (weights for the rollout workers, checkpoints). This module places the ranks
 (`learner.num_ranks`; one GPU each on GPU, gloo on CPU) and wires their rendezvous.
@@ -12,14 +13,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from stapoctl.learner.data_parallel import DataParallel
 from stapoctl.learner.engine_setup import EngineSetup, extensions_dir, uses_cuda
+from stapoctl.learner.forward import PolicyForward
 from stapoctl.learner.micro_batches import MicroBatching
 from stapoctl.learner.ppo_step import PPOStep
 from stapoctl.learner.reference import ReferencePolicy
 from stapoctl.learner.state_io import StateIO
 
 
-class Learner(EngineSetup, PPOStep, MicroBatching, ReferencePolicy, StateIO):
+class Learner(EngineSetup, PPOStep, PolicyForward, DataParallel, MicroBatching, ReferencePolicy, StateIO):
     """One data-parallel rank. Every rank receives every call (the driver fans them out)."""
 
     def __init__(self, rank: int = 0, world_size: int = 1):

@@ -1,4 +1,5 @@
-"""One training step of a data-parallel rank: recompute old log-probs, then PPO mini-batch updates.
+"""One training step of a data-parallel rank: recompute old log-probs, then PPO mini-batch updates
+(the forward passes are `forward.py`, the rank arithmetic `data_parallel.py`).
 
 π and H for the STAPO mask come from the learner's own forward pass over the mini-batch (000
 Alg. 1 line 8): for the first mini-batch of a step the recompute pass *is* that pass (same
@@ -16,101 +17,18 @@ import math
 import time
 from typing import Optional
 
+from stapoctl.learner.metric_accumulator import MetricAccumulator
+from stapoctl.learner.step_result import StepResult
+
 
 class PPOStep:
     """Mixin of the learner actor; needs the attributes `EngineSetup.reset` sets."""
 
-    # -- forward ---------------------------------------------------------------------------
-    def _token_stats(self, mb, model=None, entropy_grad: bool = False):
-        """(entropy, log_prob, sum_p2) [n, R] of the response tokens; log_prob carries grads
-        (entropy too with `entropy_grad`, for the entropy bonus). `model`: another model than the
-        policy's (the frozen reference), run whole even under ZeRO-3.
-
-        The forward runs on the micro-batch's own widths (`RolloutBatch.trimmed`); the results
-        are padded back to the batch's R with zeros, on positions every loss masks out. Not under
-        ZeRO-3: there a STAPO update over several mini-batches drifted from the untrimmed one
-        (pg_loss of the later mini-batches ~5% off in tests/test_learner_ranks.py, although each
-        micro-batch's statistics and a single optimizer step matched exactly); cause not found."""
-        import torch
-
-        full_r = mb.response_length
-        if self.zero_stage != 3:
-            mb = mb.trimmed()
-        stats = self._token_stats_on(mb, model, entropy_grad)
-        if mb.response_length == full_r:
-            return stats
-        return tuple(torch.nn.functional.pad(t, (0, full_r - mb.response_length)) for t in stats)
-
-    def _token_stats_on(self, mb, model=None, entropy_grad: bool = False):
-        import torch
-
-        from stapoctl.learner import packing, shared_prefix
-        from stapoctl.losses import token_stats
-
-        input_ids = mb.input_ids().to(self.device)
-        attn = mb.attention_mask().to(self.device)
-        pos = mb.position_ids().to(self.device)
-        p, r = mb.prompt_length, mb.response_length
-        labels = torch.where(mb.response_mask, mb.response_ids, -100).to(self.device)
-        chunk = int(self.learner.get("logits_chunk_size") or 1024)
-        grad = {"entropy_grad": True} if entropy_grad else {}
-        if self.zero_stage == 3 and model is None:
-            # Partitioned weights: go through the module (its hooks gather the shards).
-            logits = self.engine(input_ids=input_ids, attention_mask=attn, position_ids=pos).logits
-            return token_stats(logits[:, p - 1 : p + r - 1], labels, chunk_size=chunk,
-                               temperature=self.temperature, return_sum_p2=True, **grad)
-        model = self.module if model is None else model
-        share = shared_prefix.enabled(self.learner, self.device.type == "cuda")
-        if packing.enabled(self.learner):
-            stats = packing.packed_token_stats(model, mb, self.device, share, chunk_size=chunk,
-                                               temperature=self.temperature, return_sum_p2=True, **grad)
-            if stats is not None:
-                return stats
-            share = False  # no response token in the micro-batch: the plain forward below
-        decoder = model.get_decoder()
-        hidden = None
-        if share:
-            hidden = shared_prefix.shared_prefix_hidden(decoder, input_ids, attn, pos, p, r)
-        if hidden is None:
-            hidden = decoder(input_ids=input_ids, attention_mask=attn, position_ids=pos)
-            hidden = hidden.last_hidden_state[:, p - 1 : p + r - 1]
-        return token_stats(hidden, labels, lm_head_weight=model.get_output_embeddings().weight,
-                           chunk_size=chunk, temperature=self.temperature, return_sum_p2=True, **grad)
-
-    def _no_grad_pass(self, batch, rows: slice, model=None):
-        """Entropy, log-prob and sum p² of batch[rows] in row order, micro-batch by micro-batch
-        (under a token budget cut by `learner.log_prob_max_tokens_per_micro_batch`), no grad
-        (`model`: the frozen reference instead of the policy)."""
-        import torch
-
-        sub = batch.select(rows)
-        out = torch.zeros(3, len(sub), sub.response_length)
-        self.module.eval()  # no dropout in a measurement (Qwen3 has none; other models may)
-        try:
-            with torch.no_grad():
-                for mb in self._no_grad_micro_batches(sub):
-                    for k, t in enumerate(self._token_stats(sub.select(mb), model=model)):
-                        out[k, mb] = t.float().cpu()
-        finally:
-            self.module.train()
-        return out[0], out[1], out[2]
-
-    def compute_log_probs(self, batch) -> dict:
-        """Learner log-probs and entropies of every response token (0 on padding), all ranks' rows."""
-        import torch
-
-        mine = self._my_rows(len(batch))
-        ent, lp, p2 = self._no_grad_pass(batch, mine)
-        mask = batch.response_mask[mine]
-        ent, lp, p2 = (torch.where(mask, t, 0.0) for t in (ent, lp, p2))
-        ent, lp, p2 = (self._all_gather_rows(t) for t in (ent, lp, p2))
-        return {"log_prob": lp, "entropy": ent, "sum_p2": p2}
-
     # -- the step -------------------------------------------------------------------------
     def train_step(self, batch, global_step: int, old_logprob_source: str = "recompute", *, measure: bool = True,
-                   behavior: bool = False) -> dict:
+                   behavior: bool = False) -> StepResult:
         """Old log-probs (and the reference's, with a KL term), then PPO updates over mini-batches;
-        returns metrics and, for the driver, the measured log-probs and entropies (rank 0).
+        returns the metrics and, for the driver, the measured log-probs and entropies (rank 0).
 
         old_logprob_source: "recompute" (a no-grad pass of the learner, verl style) or "rollout"
         (vLLM's own log-probs, equal to the learner's in fp32 at T=1: the pass is skipped).
@@ -143,14 +61,13 @@ class PPOStep:
         })
         if self.reference is not None:
             metrics["timing_s/ref_policy"] = t_policy
-        if stats is not None:
-            diff = torch.where(rmask, (stats["log_prob"] - batch.rollout_log_probs).abs(), 0.0)
-            metrics["rollout/logprob_diff_max"] = float(diff.max()) if rmask.any() else 0.0
-            metrics["rollout/logprob_diff_mean"] = float(diff.sum() / rmask.sum().clamp(min=1))
-            metrics["_old_log_probs"] = stats["log_prob"]
-            metrics["_entropy"] = stats["entropy"]
-            metrics["_logprob_diff_rows"] = diff.max(dim=1).values  # per row: which worker drifted
-        return metrics
+        if stats is None:
+            return StepResult(metrics)
+        diff = torch.where(rmask, (stats["log_prob"] - batch.rollout_log_probs).abs(), 0.0)
+        metrics["rollout/logprob_diff_max"] = float(diff.max()) if rmask.any() else 0.0
+        metrics["rollout/logprob_diff_mean"] = float(diff.sum() / rmask.sum().clamp(min=1))
+        return StepResult(metrics, old_log_probs=stats["log_prob"], entropy=stats["entropy"],
+                          logprob_diff_rows=diff.max(dim=1).values)  # per row: which worker drifted
 
     def _update(self, batch, global_step: int, first_pass: Optional[dict], *, behavior: bool = False) -> dict:
         """`ppo_epochs` passes over the batch, one optimizer step per mini-batch."""
@@ -289,96 +206,12 @@ class PPOStep:
             norm = measured
         return float(norm) if norm is not None else float("nan")
 
-    # -- data parallel -----------------------------------------------------------------------
-    def _my_rows(self, n_rows: int) -> slice:
-        if self.world_size == 1:
-            return slice(0, n_rows)
-        per = n_rows // self.world_size
-        return slice(self.rank * per, (self.rank + 1) * per)
-
-    def _all_gather_rows(self, t):
-        if self.world_size == 1:
-            return t
-        import torch
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(t).to(self.device) for _ in range(self.world_size)]
-        dist.all_gather(parts, t.to(self.device))
-        return torch.cat([p.cpu() for p in parts])
-
-    def _all_gather_objects(self, obj) -> list:
-        if self.world_size == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
 
 
 def _dev(t, device):
     return t.to(device) if t is not None else None
 
 
-class MetricAccumulator:
-    """Micro-batch metrics → mini-batch (sum the loss, token-weight the ratios, take the max of
-    maxima) → step mean (max for maxima).
-
-    With several ranks, each mini-batch's partial results are combined over the ranks, so the
-    metrics describe the whole mini-batch (as one rank holding it all would report them).
-    """
-
-    # the loss library normalises these by the mini-batch: each micro-batch holds its share
-    SUM_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "stapo/spurious_count",
-                "loss/response_tokens")
-
-    def __init__(self, gather=None) -> None:
-        self.gather = gather or (lambda obj: [obj])
-        self.mini: list[dict[str, float]] = []
-        self.cur: dict[str, list[float]] = {}  # key → [value, weight]
-
-    @classmethod
-    def kind(cls, key: str) -> str:
-        if key in cls.SUM_KEYS or key.endswith("_count"):
-            return "sum"
-        return "max" if key.endswith("_max") else "mean"
-
-    def add(self, m: dict) -> None:
-        w = float(m.get("loss/response_tokens", 1.0)) or 0.0
-        for k, v in m.items():
-            v, kind = float(v), self.kind(k)
-            acc = self.cur.setdefault(k, [float("-inf") if kind == "max" else 0.0, 0.0])
-            if kind == "sum":
-                acc[0] += v
-            elif kind == "max":
-                acc[0] = max(acc[0], v)
-            else:
-                acc[0] += v * w
-                acc[1] += w
-
-    def end_minibatch(self) -> None:
-        merged: dict[str, list[float]] = {}
-        for part in self.gather(self.cur):
-            for k, (v, w) in part.items():
-                if k not in merged:
-                    merged[k] = [v, w]
-                elif self.kind(k) == "max":
-                    merged[k][0] = max(merged[k][0], v)
-                else:
-                    merged[k][0] += v
-                    merged[k][1] += w
-        out = {}
-        for k, (v, w) in merged.items():
-            out[k] = v if self.kind(k) != "mean" else (v / w if w > 0 else 0.0)
-        self.mini.append(out)
-        self.cur = {}
-
-    def result(self) -> dict[str, float]:
-        if not self.mini:
-            return {}
-        keys = set().union(*self.mini)
-        return {k: (max(m.get(k, float("-inf")) for m in self.mini) if self.kind(k) == "max"
-                    else sum(m.get(k, 0.0) for m in self.mini) / len(self.mini)) for k in keys}
 
 
 def corrects(loss: dict, old_logprob_source: str) -> bool:

@@ -44,15 +44,14 @@ class StateIO:
         with self._gathered():
             return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
-    def init_weight_transfer(self, backend: str, rollout_handles: Sequence[Any], vllm_world_size: int) -> None:
-        """GPU only (untested here): open the NCCL/IPC link to the vLLM workers."""
+    def init_weight_transfer(self, method: str, rollout_handles: Sequence[Any], vllm_world_size: int) -> None:
+        """Open the registered transport's link to the vLLM workers (`sync.transports`)."""
         from stapoctl.learner.engine_setup import free_port, node_ip
-        from stapoctl.sync.gpu_transfer import make_trainer_engine
+        from stapoctl.sync.gpu_transfer import TrainerLink, build_trainer_engine
 
-        self.transfer = make_trainer_engine(
-            backend, self.module, rollout_handles, rank=self.rank, master_address=node_ip(),
-            master_port=free_port(), vllm_world_size=vllm_world_size,
-        )
+        self.transfer = build_trainer_engine(method, TrainerLink(
+            module=self.module, rollout_handles=rollout_handles, rank=self.rank, master_address=node_ip(),
+            master_port=free_port(), vllm_world_size=vllm_world_size))
 
     def send_weights(self) -> float:
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Learner → vLLM weight transfer on GPUs through vLLM's weight-transfer API.
+"""Learner → vLLM weight transfer on GPUs through vLLM's weight-transfer API (the trainer side).
 
 UNTESTED HERE: this machine has no GPU. The code follows vLLM 0.32's trainer-side engines
 (`NCCLTrainerWeightTransferEngine`, `IPCTrainerWeightTransferEngine`) driven through
@@ -9,50 +9,52 @@ works across GPUs and nodes (disaggregated placement).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 
-def choose_backend(placement: str) -> str:
-    """IPC when learner and vLLM share a device, NCCL broadcast otherwise."""
-    return "ipc" if placement == "colocated" else "nccl"
+@dataclass
+class TrainerLink:
+    """What the learner's rank passes to a trainer engine's `build`."""
+
+    module: Any
+    rollout_handles: Sequence[Any]
+    rank: int
+    master_address: str
+    master_port: int
+    vllm_world_size: int  # every vLLM worker process: actors × tensor-parallel ranks
 
 
-def make_trainer_engine(
-    backend: str,
-    module: Any,
-    rollout_handles: Sequence[Any],
-    *,
-    rank: int,
-    master_address: str,
-    master_port: int,
-    vllm_world_size: int,
-):
-    """The trainer side of the link; rank 0 drives the handshake, other ranks only gather."""
-    from vllm.distributed.weight_transfer.base import ModuleSource
-    from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
-
-    client = RayVLLMWeightSyncClient(list(rollout_handles))
-    source = ModuleSource(module)
-    if backend == "ipc":
-        from vllm.distributed.weight_transfer.ipc_engine import (
-            IPCTrainerInitInfo,
-            IPCTrainerWeightTransferEngine,
-        )
+class IPCTrainer:
+    @staticmethod
+    def build(link: TrainerLink):
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
         return IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=rank), client=client, source=source
-        )
-    if backend == "nccl":
-        from vllm.distributed.weight_transfer.nccl_engine import (
-            NCCLTrainerInitInfo,
-            NCCLTrainerWeightTransferEngine,
-        )
+            IPCTrainerInitInfo(rank=link.rank), client=RayVLLMWeightSyncClient(list(link.rollout_handles)),
+            source=ModuleSource(link.module))
 
-        info = NCCLTrainerInitInfo(
-            master_address=master_address,
-            master_port=master_port,
-            world_size=1 + vllm_world_size,  # the sender plus every vLLM worker
-            rank=rank,
-        )
-        return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
-    raise ValueError(f"unknown weight-transfer backend {backend!r}: use nccl or ipc")
+
+class NCCLTrainer:
+    @staticmethod
+    def build(link: TrainerLink):
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+        info = NCCLTrainerInitInfo(master_address=link.master_address, master_port=link.master_port,
+                                   world_size=1 + link.vllm_world_size, rank=link.rank)
+        return NCCLTrainerWeightTransferEngine.trainer_init(
+            info, client=RayVLLMWeightSyncClient(list(link.rollout_handles)), source=ModuleSource(link.module))
+
+
+def build_trainer_engine(method: str, link: TrainerLink):
+    """The registered transport's trainer engine, on one learner rank."""
+    import importlib
+
+    from stapoctl.sync.transports import transport
+
+    module, _, cls = str(transport(method).trainer).partition(":")
+    return getattr(importlib.import_module(module), cls).build(link)

@@ -153,16 +153,15 @@ class Engines:
         """Current weights to some actors only, and their version set to the driver's count."""
         import ray
 
-        if self.sync.method != "object_store":
+        from stapoctl.sync.transports import transport
+
+        if not transport(self.sync.method).relinks:
             from stapoctl.errors import RunFailed
 
             raise RunFailed(f"a rollout actor restarted and weight_sync={self.sync.method} cannot re-link a new "
                             "vLLM process yet: resume the run from its last checkpoint")
-        refs = [lrn.weights.remote() for lrn in self.learners]
-        ray.get([w.update_weights.remote(refs[0]) for w in workers])
+        self.sync.push_to(workers)
         ray.get([w.update_weight_version.remote(str(self.weight_version)) for w in workers])
-        if len(refs) > 1:
-            ray.get(refs[1:])
 
     def learner_rank_of(self, exc: BaseException) -> Optional[int]:
         """Which learner rank an actor error is about (None: not a learner)."""

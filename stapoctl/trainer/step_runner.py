@@ -131,12 +131,12 @@ class StepRunner:
         return bool((every and step % every == 0) or (diag and step % diag == 0))
 
     def update(self, batch, step: int, *, staleness: int = 0) -> dict:
-        m = self.engines.call_learners("train_step", loss_view(batch, self.conf), step, self.old_source,
-                                       measure=self.measure_due(step), behavior=staleness > 0)
+        result = self.engines.call_learners("train_step", loss_view(batch, self.conf), step, self.old_source,
+                                            measure=self.measure_due(step), behavior=staleness > 0)
         self.learner_version += 1
-        self._last_old = m.pop("_old_log_probs", None)
-        self._last_entropy = m.pop("_entropy", None)
-        diff_rows = m.pop("_logprob_diff_rows", None)
+        m = dict(result.metrics)
+        self._last_old, self._last_entropy = result.old_log_probs, result.entropy
+        diff_rows = result.logprob_diff_rows
         workers = self._worker_rows
         if diff_rows is not None and len(set(workers)) > 1 and len(workers) == len(diff_rows):  # the sync canary
             for j in sorted(set(workers)):  # per rollout worker
