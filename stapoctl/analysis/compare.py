@@ -22,7 +22,8 @@ from rich.markup import escape
 from stapoctl.analysis import figures
 from stapoctl.analysis.cells import accuracy_cells, default_test_metric, is_accuracy, seed_values
 from stapoctl.analysis.collect import TRAINING_COLUMNS, Comparison, collect, mlflow_client
-from stapoctl.analysis.statistics import ALPHA, N_RESAMPLES, POWER, RANDOM_STATE, RowStats, Sample, against
+from stapoctl.analysis.statistics import (ALPHA, EXACT_SPLITS, N_RESAMPLES, POWER, RANDOM_STATE, RTOL, RowStats,
+                                          Sample, against)
 from stapoctl.analysis.tables import (STATS_TABLE, csv_text, markdown, records, stats_heading, stats_markdown,
                                       stats_table, tables)
 from stapoctl.errors import UserError
@@ -156,5 +157,7 @@ def stats_summary(tested: Optional[Tested]) -> Optional[dict]:
         return None
     return {"metric": tested.metric, "baseline": tested.baseline, "scale": tested.scale, "alpha": ALPHA,
             "power": POWER, "seeds_needed_delta": tested.delta, "bootstrap_resamples": N_RESAMPLES,
-            "random_state": RANDOM_STATE, "test": "unpaired permutation of the difference of means, "
-            "two-sided, exact up to bootstrap_resamples distinct splits; Holm across the non-baseline rows"}
+            "random_state": RANDOM_STATE, "exact_splits": EXACT_SPLITS, "tie_rtol": RTOL,
+            "test": "unpaired permutation of the difference of means, two-sided (twice the smaller one-sided p), "
+            "every split enumerated up to exact_splits (else bootstrap_resamples random ones), sums within "
+            "tie_rtol of the data's size tie; Holm across the non-baseline rows"}

@@ -140,8 +140,9 @@ def stats_caption(scale: float, delta: Optional[float]) -> str:
     """What the less obvious columns mean, under the table."""
     need = (f"; seeds needed: per row, to detect a {delta:g}{' point' if scale == 100 else ''} difference "
             f"at 80% power (t-test, paired when the seeds match)" if delta is not None else "")
-    return ("p floor: the smallest Holm-adjusted p these seed counts allow with this many rows "
-            f"(too few seeds when ≥ {ALPHA:g}); p paired: t-test over matched seeds, informational{need}")
+    return ("p floor: the smallest Holm-adjusted p this row can reach given every tested row's seed count "
+            f"(too few seeds when ≥ {ALPHA:g}); p paired: t-test over matched seeds, informational, — when every "
+            f"seed moved by the same amount{need}")
 
 
 def stats_table(stats: Sequence[RowStats], scale: float, delta: Optional[float]) -> Table:
