@@ -50,6 +50,15 @@ class RowStats:
     p_floor: Optional[float] = None
     verdict: str = "baseline"
     seeds_needed: Optional[int] = None
+    trials_lost: int = 0  # the row's trials left out: FAILED, KILLED, no finite value (set by compare)
+    alarm_stopped: int = 0  # the row's trials a run-health alarm stopped, counted at their last validation
+
+    @property
+    def verdict_text(self) -> str:
+        """The verdict and what it rests on: `better (lost 1 of 5 trials)`."""
+        marks = ([f"lost {self.trials_lost} of {self.n_seeds + self.trials_lost} trials"] if self.trials_lost else [])
+        marks += [f"{self.alarm_stopped} stopped by an alarm"] if self.alarm_stopped else []
+        return self.verdict + (f" ({'; '.join(marks)})" if marks else "")
 
     def to_json(self) -> dict:
         return asdict(self)
