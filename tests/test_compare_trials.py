@@ -135,3 +135,25 @@ def test_a_row_of_failed_runs_only_is_one_line(tmp_path):
     with pytest.raises(UserError, match=r"^compare: nothing to compare: every run FAILED or was KILLED \(") as exc:
         collect(s.uri, [sid])
     assert "\n" not in str(exc.value)
+
+
+def test_a_trial_an_alarm_stopped_is_kept_over_a_newer_failed_attempt(tmp_path):
+    """A resume ran seed 0 again after the alarm and it crashed: the alarm's stop is the result."""
+    from stapoctl.analysis.collect import collect
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        s = Store(tmp_path)
+        sid = s.sweep("baselines", "loss")
+        stopped = trial(s, sid, "grpo", 0, 0.30, "KILLED", [(ALARM, "entropy < 0.01")])
+        crashed = trial(s, sid, "grpo", 0, 0.70, "FAILED")
+        trial(s, sid, "grpo", 1, 0.50)
+    finally:
+        os.chdir(cwd)
+    comp = collect(s.uri, [sid])
+    assert sorted(t.id for t in comp.groups["grpo"] if t.seed == "0") == [stopped]
+    assert comp.lost == {}  # the failed attempt was a duplicate, not a lost seed
+    dup, alarm = comp.notes
+    assert f"dropped run {comp.short[crashed]} (FAILED" in dup and "kept the run an alarm stopped (a result)" in dup
+    assert alarm.startswith("compare: counted 1 trial(s) stopped by a run-health alarm")

@@ -283,7 +283,8 @@ def _one_per_trial(runs: list, label_of: dict[str, str], key: str, short: dict[s
             continue
         keep, drop = (r, have) if _rank(r) > _rank(have) else (have, r)
         kept[slot] = keep
-        which = "the newer finished run" if keep.info.status == "FINISHED" else "the newer run (neither finished)"
+        which = ("the newer finished run" if keep.info.status == "FINISHED" else "the run an alarm stopped (a result)"
+                 if alarms(keep) and not is_result(drop) else "the newer run (neither a result)")
         notes.append(f"compare: {key}={slot[0]} seed {seed} appears twice: dropped run {name(drop)}, "
                      f"kept {which} {name(keep)}")
     ids = {r.info.run_id for r in kept.values()}
