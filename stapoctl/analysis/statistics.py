@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from itertools import chain, combinations
 from dataclasses import asdict, dataclass, field
+from itertools import chain, combinations
 from typing import Optional, Sequence
 
 import numpy as np
