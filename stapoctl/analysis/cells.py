@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -12,7 +13,12 @@ from stapoctl.tracking import keys
 
 @dataclass
 class Cell:
+    """The finite values of one cell: a NaN (a run that diverged) is no number to average."""
+
     values: list[float]
+
+    def __post_init__(self):
+        self.values = [v for v in self.values if math.isfinite(v)]
 
     @property
     def n(self) -> int:
@@ -87,13 +93,21 @@ def is_accuracy(comp: Comparison, name: str) -> bool:
     return (bench == "avg" and dec in {d for _, d in comp.columns()}) or (bench, dec) in comp.columns()
 
 
-def seed_values(comp: Comparison, name: str) -> dict[str, list[tuple[str, float]]]:
-    """group → [(seed, value)] of the runs that have the metric, in row order."""
+def seed_values(comp: Comparison, name: str) -> tuple[dict[str, list[tuple[str, float]]],
+                                                      dict[str, list[tuple[Trial, str]]]]:
+    """(group → [(seed, value)] of the runs with a finite value, in row order; group → [(run, "NaN"
+    or "missing")] of the runs without one, which the statistics leave out and name)."""
     out: dict[str, list[tuple[str, float]]] = {}
+    missing: dict[str, list[tuple[Trial, str]]] = {}
     for g, trials in comp.groups.items():
-        vals = [(t.seed, trial_value(comp, t, name)) for t in trials]
-        out[g] = [(s, v) for s, v in vals if v is not None]
-    return out
+        out[g] = []
+        for t in trials:
+            v = trial_value(comp, t, name)
+            if v is not None and math.isfinite(v):
+                out[g].append((t.seed, v))
+            else:
+                missing.setdefault(g, []).append((t, "missing" if v is None else "NaN" if math.isnan(v) else str(v)))
+    return out, missing
 
 
 def training_cells(comp: Comparison, metrics: Sequence[tuple[str, str]]) -> dict[str, dict[str, Cell]]:

@@ -34,6 +34,7 @@ class Trial:
     group: str
     seed: str
     finals: dict[tuple[str, str], tuple[float, int, str]] = field(default_factory=dict)  # (bench, dec) → (acc, k, source)
+    alarms: list[str] = field(default_factory=list)  # the run-health alarms that stopped it (still a result)
 
     @property
     def id(self) -> str:
@@ -50,7 +51,8 @@ class Comparison:
     sweeps: list[Any]  # the sweep parent runs compared (artifacts go there)
     numeric: bool  # row labels are numbers (accuracy vs value on an x axis)
     short: dict[str, str]  # run id → short id
-    notes: list[str] = field(default_factory=list)  # one line each: runs left out (a (value, seed) twice)
+    notes: list[str] = field(default_factory=list)  # one line each: runs left out (a (value, seed) twice, FAILED, …)
+    lost: dict[str, list[str]] = field(default_factory=dict)  # row → short ids of its FAILED / KILLED trials
 
     @property
     def trials(self) -> list[Trial]:
@@ -136,7 +138,8 @@ def collect(uri: Optional[str], ids: Sequence[str]) -> Comparison:
     Sweeps of one key merge by swept value: seeds 3–4 added later as another sweep, or two sweeps
     that share values (`ablation` and `baselines` both run grpo and stapo), give one row per
     value. A (value, seed) present twice (in two sweeps, or an earlier attempt of a trial) counts
-    once: the newer FINISHED run is kept and `notes` says which run was dropped. Sweeps of
+    once: the newer FINISHED run is kept and `notes` says which run was dropped. A FAILED or
+    KILLED trial is left out and named (`lost`), one an alarm stopped counts. Sweeps of
     different keys are refused in one line."""
     if not ids:
         raise UserError("compare: give a sweep id or one or more run ids (see `stapoctl runs`)")
@@ -155,15 +158,18 @@ def collect(uri: Optional[str], ids: Sequence[str]) -> Comparison:
                          f"({', '.join(short.get(r.info.run_id, r.info.run_id[:8]) for r in running)})")
     else:
         key, label_of = _param_labels(runs)
+    runs, lost, more = _results_only(runs, label_of, key, short)
+    notes += more
     groups: dict[str, list[Trial]] = {}
     for r in runs:
         label = label_of[r.info.run_id]
-        groups.setdefault(label, []).append(Trial(r, label, _seed(r), _finals(r, evals.get(r.info.run_id, []))))
+        groups.setdefault(label, []).append(Trial(r, label, _seed(r), _finals(r, evals.get(r.info.run_id, [])),
+                                                  alarms(r)))
     numbers = {g: _number(g) for g in groups}
     numeric = len(groups) > 1 and all(v is not None for v in numbers.values())
     if numeric:
         groups = dict(sorted(groups.items(), key=lambda kv: numbers[kv[0]]))
-    return Comparison(key, groups, sweeps, numeric, short, notes)
+    return Comparison(key, groups, sweeps, numeric, short, notes, lost)
 
 
 def _expand(client, uri: Optional[str], ids: Sequence[str]) -> tuple[list, list]:
@@ -208,9 +214,55 @@ def _labels(runs: list, sweeps: list, short: dict[str, str]) -> tuple[Optional[s
     return (next(iter(named), "") or "value"), label_of
 
 
+def alarms(run) -> list[str]:
+    """The run-health alarms (tags stapoctl.alarm.<name>) that stopped a KILLED run."""
+    if run.info.status != "KILLED":
+        return []
+    return sorted(k[len(keys.ALARM_PREFIX):] for k in run.data.tags if k.startswith(keys.ALARM_PREFIX))
+
+
+def is_result(run) -> bool:
+    """FINISHED, or stopped by a run-health alarm: what the method did, its last validation the result."""
+    return run.info.status == "FINISHED" or bool(alarms(run))
+
+
+def where(key: str, label: str, seed: str) -> str:
+    """`loss=grpo seed 2`: a trial in words."""
+    return (label if "=" in label else f"{key}={label}") + (f" seed {seed}" if seed else "")
+
+
+def _results_only(runs: list, label_of: dict[str, str], key: str,
+                  short: dict[str, str]) -> tuple[list, dict[str, list[str]], list[str]]:
+    """(the runs that are results, row → its FAILED / KILLED trials, notes). A trial that FAILED or
+    a person KILLED is no result, but dropping it silently would favour the method that broke:
+    each is named in a note and counted against its row. One an alarm stopped counts, marked."""
+    def name(r, extra: str) -> str:
+        return f"{short.get(r.info.run_id, r.info.run_id[:8])} ({where(key, label_of[r.info.run_id], _seed(r))}, {extra})"
+
+    gone = [r for r in runs if r.info.status in ("FAILED", "KILLED") and not is_result(r)]
+    lost: dict[str, list[str]] = {}
+    for r in gone:
+        lost.setdefault(label_of[r.info.run_id], []).append(short.get(r.info.run_id, r.info.run_id[:8]))
+    notes = []
+    if gone:
+        notes.append(f"compare: left out {len(gone)} trial(s) that FAILED or were KILLED: "
+                     + ", ".join(name(r, r.info.status) for r in gone))
+    stopped = [r for r in runs if alarms(r)]
+    if stopped:
+        notes.append(f"compare: counted {len(stopped)} trial(s) stopped by a run-health alarm, at their last "
+                     "validation: " + ", ".join(name(r, "alarm " + ", ".join(alarms(r))) for r in stopped))
+    gone_ids = {r.info.run_id for r in gone}
+    kept = [r for r in runs if r.info.run_id not in gone_ids]
+    if not kept:
+        raise UserError("compare: nothing to compare: every run FAILED or was KILLED ("
+                        + ", ".join(name(r, r.info.status) for r in gone) + ")")
+    return kept, lost, notes
+
+
 def _rank(run) -> tuple[bool, int]:
-    """The run a (value, seed) keeps: FINISHED first, then the newer (ended, else started, last)."""
-    return run.info.status == "FINISHED", int(run.info.end_time or run.info.start_time or 0)
+    """The run a (value, seed) keeps: a result (FINISHED, or stopped by an alarm) first, then the
+    newer (ended, else started, last)."""
+    return is_result(run), int(run.info.end_time or run.info.start_time or 0)
 
 
 def _one_per_trial(runs: list, label_of: dict[str, str], key: str, short: dict[str, str]) -> tuple[list, list[str]]:
@@ -231,7 +283,8 @@ def _one_per_trial(runs: list, label_of: dict[str, str], key: str, short: dict[s
             continue
         keep, drop = (r, have) if _rank(r) > _rank(have) else (have, r)
         kept[slot] = keep
-        which = "the newer finished run" if keep.info.status == "FINISHED" else "the newer run (neither finished)"
+        which = ("the newer finished run" if keep.info.status == "FINISHED" else "the run an alarm stopped (a result)"
+                 if alarms(keep) and not is_result(drop) else "the newer run (neither a result)")
         notes.append(f"compare: {key}={slot[0]} seed {seed} appears twice: dropped run {name(drop)}, "
                      f"kept {which} {name(keep)}")
     ids = {r.info.run_id for r in kept.values()}

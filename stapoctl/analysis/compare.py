@@ -21,8 +21,9 @@ from rich.markup import escape
 
 from stapoctl.analysis import figures
 from stapoctl.analysis.cells import accuracy_cells, default_test_metric, is_accuracy, seed_values
-from stapoctl.analysis.collect import TRAINING_COLUMNS, Comparison, collect, mlflow_client
-from stapoctl.analysis.statistics import ALPHA, N_RESAMPLES, POWER, RANDOM_STATE, RowStats, Sample, against
+from stapoctl.analysis.collect import TRAINING_COLUMNS, Comparison, collect, mlflow_client, where
+from stapoctl.analysis.statistics import (ALPHA, EXACT_SPLITS, N_RESAMPLES, POWER, RANDOM_STATE, RTOL, RowStats,
+                                          Sample, against)
 from stapoctl.analysis.tables import (STATS_TABLE, csv_text, markdown, records, stats_heading, stats_markdown,
                                       stats_table, tables)
 from stapoctl.errors import UserError
@@ -77,14 +78,21 @@ def test_rows(comp: Comparison, test_metric: Optional[str], baseline: Optional[s
     metric = test_metric or default_test_metric(comp)
     if metric is None:
         return None
-    values = seed_values(comp, metric)
+    values, missing = seed_values(comp, metric)
     if not any(values.values()):
         cols = list(next(iter(accuracy_cells(comp).values()), {}).keys())
-        raise UserError(f"compare: --test-metric {metric!r}: no run has it; accuracy columns: "
+        raise UserError(f"compare: --test-metric {metric!r}: no run has it (a finite value); accuracy columns: "
                         + (", ".join(cols) or "none") + ", or a logged metric name")
+    if missing:
+        gone = [(t, why) for ts in missing.values() for t, why in ts]
+        comp.notes.append(f"compare: {metric}: left out {len(gone)} trial(s) without a final value: " + ", ".join(
+            f"{comp.short.get(t.id, t.id[:8])} ({where(comp.key, t.group, t.seed)}, {why})" for t, why in gone))
     scale = 100.0 if is_accuracy(comp, metric) else 1.0
     samples = [Sample(g, [v for _, v in sv], [s for s, _ in sv]) for g, sv in values.items()]
     rows = against(samples, base, None if delta is None else delta / scale)
+    for r in rows:
+        r.trials_lost = len(comp.lost.get(r.group, [])) + len(missing.get(r.group, []))
+        r.alarm_stopped = sum(1 for t in comp.groups[r.group] if t.alarms)
     return Tested(metric, base, scale, delta, rows)
 
 
@@ -96,10 +104,10 @@ def compare(uri: Optional[str], ids: Sequence[str], console: Console, metrics: S
     them to each compared sweep under compare/. `rows`: only these rows, in this order (the family
     a question is about: Holm adjusts over the rows tested)."""
     comp = only_rows(collect(uri, ids), rows)
-    for note in comp.notes:  # a (value, seed) in two sweeps counts once
-        console.print(f"[yellow]{escape(note)}[/]", highlight=False, soft_wrap=True)
     columns = tuple((m, m) for m in metrics) if metrics else TRAINING_COLUMNS
     tested = test_rows(comp, test_metric, baseline, seeds_delta)
+    for note in comp.notes:  # what was left out, or counted once, and why
+        console.print(f"[yellow]{escape(note)}[/]", highlight=False, soft_wrap=True)
     for heading, table in tables(comp, columns):
         console.print(f"[bold]{heading}[/]", highlight=False)
         console.print(table)
@@ -156,5 +164,7 @@ def stats_summary(tested: Optional[Tested]) -> Optional[dict]:
         return None
     return {"metric": tested.metric, "baseline": tested.baseline, "scale": tested.scale, "alpha": ALPHA,
             "power": POWER, "seeds_needed_delta": tested.delta, "bootstrap_resamples": N_RESAMPLES,
-            "random_state": RANDOM_STATE, "test": "unpaired permutation of the difference of means, "
-            "two-sided, exact up to bootstrap_resamples distinct splits; Holm across the non-baseline rows"}
+            "random_state": RANDOM_STATE, "exact_splits": EXACT_SPLITS, "tie_rtol": RTOL,
+            "test": "unpaired permutation of the difference of means, two-sided (twice the smaller one-sided p), "
+            "every split enumerated up to exact_splits (else bootstrap_resamples random ones), sums within "
+            "tie_rtol of the data's size tie; Holm across the non-baseline rows"}

@@ -3,8 +3,8 @@
 A few seeds per method cannot separate a real gain from seed noise by eye; this module says,
 per row, how sure the comparison is: the mean with a bootstrap 95% CI over seeds, the
 difference to a baseline row with its CI, an exact (when small) unpaired permutation p-value,
-Holm-adjusted across rows, a verdict, the smallest p these seed counts can reach, and how many
-seeds a given difference would need. Higher is better for the verdict.
+Holm-adjusted across rows, a verdict, the smallest Holm-adjusted p these seed counts can reach,
+and how many seeds a given difference would need. Higher is better for the verdict.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
+from itertools import chain, combinations
 from typing import Optional, Sequence
 
 import numpy as np
@@ -19,7 +20,9 @@ import numpy as np
 ALPHA = 0.05
 POWER = 0.80
 MIN_CI_SEEDS = 3  # below this a bootstrap CI is meaningless (2 values give 3 distinct resamples)
-N_RESAMPLES = 9999  # permutation_test is exact when the distinct splits are at most this many
+N_RESAMPLES = 9999  # bootstrap resamples; random splits of a permutation test too large to enumerate
+EXACT_SPLITS = 200_000  # the permutation test enumerates every split up to this many (10 vs 10 seeds: 184,756)
+RTOL = 1e-9  # two splits whose sums differ by less than this × the data's size are a tie, not a difference
 RANDOM_STATE = 0  # fixed: the same runs always print the same CIs and p-values
 
 
@@ -47,6 +50,15 @@ class RowStats:
     p_floor: Optional[float] = None
     verdict: str = "baseline"
     seeds_needed: Optional[int] = None
+    trials_lost: int = 0  # the row's trials left out: FAILED, KILLED, no finite value (set by compare)
+    alarm_stopped: int = 0  # the row's trials a run-health alarm stopped, counted at their last validation
+
+    @property
+    def verdict_text(self) -> str:
+        """The verdict and what it rests on: `better (lost 1 of 5 trials)`."""
+        marks = ([f"lost {self.trials_lost} of {self.n_seeds + self.trials_lost} trials"] if self.trials_lost else [])
+        marks += [f"{self.alarm_stopped} stopped by an alarm"] if self.alarm_stopped else []
+        return self.verdict + (f" ({'; '.join(marks)})" if marks else "")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -99,23 +111,44 @@ def diff_ci(row: Sequence[float], base: Sequence[float]) -> tuple[Optional[list[
     return _bootstrap((list(row), list(base)), _mean_diff)
 
 
-def permutation_p(row: Sequence[float], base: Sequence[float]) -> Optional[float]:
-    """Two-sided unpaired permutation p of the difference of means (exact for small n)."""
-    from scipy import stats
+def _split_sums(pool: np.ndarray, n: int) -> tuple[np.ndarray, bool]:
+    """The first group's sum over every split of pool into n and the rest (True: exact), or over
+    N_RESAMPLES random splits when there are more than EXACT_SPLITS."""
+    total = math.comb(len(pool), n)
+    if total <= EXACT_SPLITS:
+        idx = np.fromiter(chain.from_iterable(combinations(range(len(pool)), n)), dtype=np.intp, count=total * n)
+        return pool[idx.reshape(total, n)].sum(axis=1), True
+    perms = _rng().permuted(np.tile(np.arange(len(pool)), (N_RESAMPLES, 1)), axis=1)[:, :n]
+    return pool[perms].sum(axis=1), False
 
-    if min(len(row), len(base)) < 2:  # scipy needs two observations per sample; the floor is ≥ 1/3 anyway
+
+def permutation_p(row: Sequence[float], base: Sequence[float]) -> Optional[float]:
+    """Two-sided unpaired permutation p of the difference of means: twice the smaller one-sided p
+    (scipy's convention), every split enumerated up to EXACT_SPLITS. Not scipy's permutation_test:
+    it ties a split only within 100 eps of the observed difference, so near a small difference
+    splits equal but for float rounding (~1e-16) are missed and p comes out too small. Here the
+    statistic is the row's sum (the same ordering for fixed sizes) and sums within RTOL of the
+    data's size tie. None below two seeds a side or with a non-finite value (never p = 0)."""
+    if min(len(row), len(base)) < 2:
         return None
-    res = stats.permutation_test((np.asarray(row, float), np.asarray(base, float)), _mean_diff,
-                                 permutation_type="independent", vectorized=True,
-                                 n_resamples=N_RESAMPLES, alternative="two-sided", random_state=_rng())
-    return float(res.pvalue)
+    pool = np.asarray([*row, *base], float)
+    if not np.all(np.isfinite(pool)):
+        return None
+    sums, exact = _split_sums(pool, len(row))
+    observed, tol = float(np.sum(pool[:len(row)])), RTOL * float(np.abs(pool).sum())
+    ge, le, total = int(np.sum(sums >= observed - tol)), int(np.sum(sums <= observed + tol)), len(sums)
+    if not exact:  # the observed split counts as one of the random ones (p is never 0)
+        ge, le, total = ge + 1, le + 1, total + 1
+    return min(1.0, 2.0 * min(ge, le) / total)
 
 
 def p_floor(n_row: int, n_base: int) -> Optional[float]:
-    """Smallest two-sided p an exact permutation test can give: 2 / C(n_row+n_base, n_row)."""
+    """Smallest two-sided p the permutation test can give: 2 / C(n_row+n_base, n_row), or
+    2 / (N_RESAMPLES+1) when it samples the splits."""
     if n_row < 1 or n_base < 1:
         return None
-    return min(1.0, 2.0 / math.comb(n_row + n_base, n_row))
+    splits = math.comb(n_row + n_base, n_row)
+    return min(1.0, 2.0 / (splits if splits <= EXACT_SPLITS else N_RESAMPLES + 1))
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:
@@ -138,11 +171,18 @@ def paired(row: Sample, base: Sample) -> Optional[tuple[list[float], list[float]
     return list(row.values), [b[s] for s in row.seeds]
 
 
+def no_spread(values: Sequence[float], scale: Sequence[float]) -> bool:
+    """All values equal up to float rounding (RTOL of the largest |scale|): 0.61 − 0.41 and
+    0.62 − 0.42 differ by ~1e-17, which a t statistic would divide by and call certainty."""
+    return float(np.ptp(values)) <= RTOL * float(np.max(np.abs(scale)))
+
+
 def paired_p(pair: Optional[tuple[list[float], list[float]]]) -> Optional[float]:
-    """Paired t-test p (informational); None when the differences have no spread."""
+    """Paired t-test p (informational); None when the differences have no spread (every seed
+    moved by the same constant: no noise estimate, not certainty)."""
     from scipy import stats
 
-    if pair is None:
+    if pair is None or no_spread(np.subtract(*pair), pair):
         return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -180,6 +220,11 @@ def pooled_sd(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
     return float(math.sqrt(((len(a) - 1) * va + (len(b) - 1) * vb) / (len(a) + len(b) - 2)))
 
 
+def _paired_sd(pair: tuple[list[float], list[float]]) -> float:
+    diffs = np.subtract(*pair)
+    return 0.0 if no_spread(diffs, pair) else float(np.std(diffs, ddof=1))
+
+
 def _verdict(diff: Optional[float], p_holm: Optional[float], floor: Optional[float]) -> str:
     if floor is None or floor >= ALPHA or p_holm is None:
         return "too few seeds"
@@ -203,7 +248,7 @@ def _against(row: Sample, base: Sample, delta: Optional[float]) -> RowStats:
     pair = paired(row, base)
     st.p_paired = paired_p(pair)
     if delta is not None:
-        sd = (float(np.std(np.subtract(*pair), ddof=1)) if pair else pooled_sd(row.values, base.values))
+        sd = _paired_sd(pair) if pair else pooled_sd(row.values, base.values)
         st.seeds_needed = seeds_needed(delta, sd, paired_test=pair is not None)
     return st
 
@@ -222,20 +267,33 @@ def against(samples: Sequence[Sample], baseline: str, delta: Optional[float] = N
     tested = [r for r in out if r.group != baseline and r.p_value is not None]
     for r, p in zip(tested, holm([r.p_value for r in tested])):
         r.p_holm = p
+    raw = {id(r): r.p_floor for r in out}
     for r in out:
-        if r.group != baseline:
-            r.p_floor = holm_floor(r.p_floor, len(tested))
+        if r.group != baseline:  # an untested row's floor is as if it joined the family
+            r.p_floor = holm_floor(raw[id(r)], [raw[id(o)] for o in tested if o is not r])
             r.verdict = _verdict(r.diff, r.p_holm, r.p_floor)
     return out
 
 
-def holm_floor(floor: Optional[float], rows: int) -> Optional[float]:
-    """The smallest Holm-adjusted p a row can reach among `rows` tests: Holm multiplies the
-    smallest p by the number of rows, so 5 vs 5 seeds (floor 0.0079) can never pass 0.05 against
-    seven or more other rows, however far apart they are."""
-    return None if floor is None else min(1.0, floor * max(1, rows))
+def holm_floor(floor: Optional[float], others: Sequence[float]) -> Optional[float]:
+    """The smallest Holm-adjusted p a row with raw floor `floor` (p_floor) can reach beside rows
+    with raw floors `others`, m tests in all. Placed k-th smallest, Holm gives it
+    max((m−k+1)·floor, max over the j < k rows before it of (m−j+1)·their p), those p at best
+    the others' k−1 smallest floors; the floor is the least of these over k. So 3 vs 5 seeds
+    (2/56) among three 5-vs-5 rows (2/252) can reach 2/56 = 0.036, not 4 × 2/56 = 0.14, while
+    5 vs 5 among eight such rows cannot pass 8 × 2/252 = 0.063."""
+    if floor is None:
+        return None
+    srt, m = sorted(others), len(others) + 1
+    best, before = 1.0, 0.0
+    for k in range(1, m + 1):
+        best = min(best, max((m - k + 1) * floor, before))
+        if k < m:
+            before = max(before, (m - k + 1) * srt[k - 1])
+    return min(1.0, best)
 
 
 def seeds_for_a_verdict(rows: int, cap: int = 50) -> Optional[int]:
     """Seeds per row (all rows equal) for which Holm over `rows` tests can reach p < ALPHA."""
-    return next((n for n in range(2, cap) if holm_floor(p_floor(n, n), rows) < ALPHA), None)
+    return next((n for n in range(2, cap) if holm_floor(p_floor(n, n), [p_floor(n, n)] * (rows - 1)) < ALPHA),
+                None)

@@ -7,6 +7,7 @@ import csv
 import io
 from typing import Optional, Sequence
 
+from rich.markup import escape
 from rich.table import Table
 
 from stapoctl.analysis.cells import accuracy_cells, column_header, training_cells
@@ -88,8 +89,8 @@ def markdown(comp: Comparison, metrics: Sequence[tuple[str, str]] = TRAINING_COL
     lines += ["| " + " | ".join([g] + [row[m].text(fmt=".4g", std_fmt=".2g") for m, _ in present]) + " |"
               for g, row in tr.items()]
     lines += ["", "## Runs", "", "| group | seed | run | status |", "|---|---|---|---|"]
-    lines += [f"| {t.group} | {t.seed} | {comp.short[t.id]} ({t.run.info.run_name}) | {t.run.info.status.lower()} |"
-              for t in comp.trials]
+    lines += [f"| {t.group} | {t.seed} | {comp.short[t.id]} ({t.run.info.run_name}) | {t.run.info.status.lower()}"
+              + (f" (alarm: {', '.join(t.alarms)})" if t.alarms else "") + " |" for t in comp.trials]
     return "\n".join(lines) + "\n"
 
 
@@ -122,7 +123,7 @@ def stats_cells(st: RowStats, scale: float, seeds: bool) -> list[str]:
     mean = _num(st.mean, scale) + (_ci(st.ci95, scale) if st.ci95 else (" (n<3: no CI)" if st.n_seeds else ""))
     diff = "" if st.diff is None else format(st.diff * scale, "+.2f") + _ci(st.diff_ci95, scale)
     out = [st.group, str(st.n_seeds), mean, diff or "—", _p(st.p_value), _p(st.p_holm), _p(st.p_paired),
-           _p(st.p_floor), st.verdict, st.ci_method or "—"]
+           _p(st.p_floor), st.verdict_text, st.ci_method or "—"]
     return out + ([str(st.seeds_needed) if st.seeds_needed else "—"] if seeds else [])
 
 
@@ -140,8 +141,9 @@ def stats_caption(scale: float, delta: Optional[float]) -> str:
     """What the less obvious columns mean, under the table."""
     need = (f"; seeds needed: per row, to detect a {delta:g}{' point' if scale == 100 else ''} difference "
             f"at 80% power (t-test, paired when the seeds match)" if delta is not None else "")
-    return ("p floor: the smallest Holm-adjusted p these seed counts allow with this many rows "
-            f"(too few seeds when ≥ {ALPHA:g}); p paired: t-test over matched seeds, informational{need}")
+    return ("p floor: the smallest Holm-adjusted p this row can reach given every tested row's seed count "
+            f"(too few seeds when ≥ {ALPHA:g}); p paired: t-test over matched seeds, informational, — when every "
+            f"seed moved by the same amount{need}")
 
 
 def stats_table(stats: Sequence[RowStats], scale: float, delta: Optional[float]) -> Table:
@@ -156,7 +158,7 @@ def stats_table(stats: Sequence[RowStats], scale: float, delta: Optional[float])
     colors = {"better": "green", "worse": "red"}
     for st in stats:
         cells = stats_cells(st, scale, seeds)
-        cells[8] = f"[{colors[st.verdict]}]{st.verdict}[/]" if st.verdict in colors else st.verdict
+        cells[8] = f"[{colors[st.verdict]}]{escape(cells[8])}[/]" if st.verdict in colors else escape(cells[8])
         t.add_row(*cells)
     return t
 

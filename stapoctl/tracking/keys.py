@@ -33,6 +33,7 @@ STEP = "stapoctl.step"  # the newest logged step of a training run
 LOSS = "stapoctl.loss"
 RUN_DIR = "stapoctl.run_dir"
 TRAIN_RUN_ID = "stapoctl.train_run_id"  # an eval run: the training run whose model it scored
+ALARM_PREFIX = "stapoctl.alarm."  # stapoctl.alarm.<name> on a KILLED run: a run-health alarm stopped it
 
 # -- params and artifacts --------------------------------------------------------------------
 SWEEP_KEY = "sweep.key"
