@@ -23,7 +23,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from stapoctl.errors import UserError
 from stapoctl.tracking.run_ids import looks_like_run_id, run_dir_of
@@ -111,20 +111,22 @@ def step_size(step_dir: Path) -> int:
     return sum(p.stat().st_size for p in Path(step_dir).rglob("*") if p.is_file())
 
 
-def prune(run_dir: Path, keep: int, newest: Path) -> list[Path]:
+def prune(run_dir: Path, keep: int, newest: Path, protect: Sequence[Path] = ()) -> list[Path]:
     """Keep the `keep` newest step dirs (`trainer.keep_checkpoints`; 0 keeps all): an 8B run's
     checkpoint with its optimizer state is over 100 GB. Nothing goes unless `newest` (just
-    written) verifies, and neither it nor the one `latest` names ever goes. Each removed dir is
-    first renamed to a hidden `.step_*` dir (debris a resume clears), so a kill mid-delete leaves
-    no half checkpoint. Returns the removed dirs."""
+    written) verifies, and neither it, the one `latest` names, nor one in `protect` (the
+    checkpoint a running resume started from: its rollout actors reload its model/ when Ray
+    restarts them) ever goes. Each removed dir is first renamed to a hidden `.step_*` dir (debris
+    a resume clears), so a kill mid-delete leaves no half checkpoint. Returns the removed dirs."""
     if keep <= 0 or verify(newest, checksums=False) is not None:  # sizes: the bytes were just fsynced
         return []
     root = Path(run_dir) / "checkpoints"
     marker = root / "latest"
     named = marker.read_text().strip() if marker.is_file() else ""
+    kept = {Path(newest).name, named, *(Path(p).name for p in protect if Path(p).parent.resolve() == root.resolve())}
     removed = []
     for old in step_dirs(run_dir)[keep:]:
-        if old.name in (Path(newest).name, named):
+        if old.name in kept:
             continue
         trash = Path(tempfile.mkdtemp(prefix=f".{old.name}.old.", dir=root))
         os.rename(old, trash / old.name)

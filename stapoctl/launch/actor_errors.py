@@ -1,9 +1,11 @@
-"""Ray's actor failures as one line: which process died and why, and the `UserError` an actor's
-constructor raised (Ray reports it only as the remote traceback's text)."""
+"""Ray's actor failures as one line: which process died and why, the `UserError` an actor's
+constructor raised (Ray reports it only as the remote traceback's text), and what an actor's
+method raised (`remote_error`: its name, the cause in one line, the remote stack kept apart)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Optional
 
 from stapoctl.errors import UserError
@@ -26,3 +28,45 @@ def user_error_in(exc: BaseException) -> Optional[UserError]:
     ActorDiedError carrying only the remote traceback's text."""
     found = re.search(r"stapoctl\.errors\.UserError: ([^\n]+)", str(exc))
     return UserError(found.group(1).strip()) if found else None
+
+
+@dataclass(frozen=True)
+class RemoteError:
+    """What an engine actor's method raised, from Ray's task error."""
+
+    method: str  # "save", "train_step", … (the actor method's name)
+    actor_id: str  # hex; "" when Ray did not say
+    cause: str  # one line: the exception's type and first words
+    stack: str  # the remote traceback, for the run's log file
+
+
+def remote_error(exc: BaseException) -> Optional[RemoteError]:
+    """The `RayTaskError` in `exc`'s chain (an exception raised inside an actor method), else None."""
+    from ray.exceptions import RayTaskError
+
+    seen: set[int] = set()
+    todo: list[Optional[BaseException]] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, RayTaskError):  # what ray.get raises is a copy that keeps only the cause and text
+            text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+            named = re.findall(r"\w+", str(getattr(e, "function_name", None) or ""))
+            head = re.search(r"ray::\w+\.(\w+)\(", text)
+            actor = getattr(e, "_actor_id", None) or re.search(r"actor_id=([0-9a-f]+)", text)
+            cause = getattr(e, "cause", None)
+            return RemoteError(method=named[-1] if named else head.group(1) if head else "?",
+                               actor_id=actor if isinstance(actor, str) else actor.group(1) if actor else "",
+                               cause=one_line(cause if isinstance(cause, BaseException) else e),
+                               stack=text)
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """`Type: first words` of an exception, whitespace folded into one line."""
+    text = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"

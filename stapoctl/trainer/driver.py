@@ -18,8 +18,9 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 from rich.console import Console
 
-from stapoctl.trainer import run_record, setup
-from stapoctl.trainer.loop import Loop, learner_faults
+from stapoctl.trainer import run_files, run_record, setup
+from stapoctl.trainer.faults import engine_faults
+from stapoctl.trainer.loop import Loop
 from stapoctl.trainer.step_runner import StepRunner
 
 
@@ -61,15 +62,16 @@ def _train(conf: DictConfig, console: Console, session: Any, stop, own: bool) ->
         rec = record.buffer
         base = run_record.record_start(conf, record, state, resume_dir, base_model)
         console.print(f"MLflow run {run_id} · run dir {run_dir}")
-        with setup.running_engines(conf, policy_path, resume_dir, console, session, own,
-                                   base_model) as (engines, scorer):
+        tokenizer = run_files.tokenizer_dir(run_dir, policy_path)  # before any save can rotate policy_path out
+        with engine_faults(None, run_id, run_dir, uri), setup.running_engines(  # a failed checkpoint load: one line
+                conf, policy_path, resume_dir, console, session, own, base_model) as (engines, scorer):
             stop.install()  # ray.init replaced our SIGTERM handler
             engines.rollout_restarts = int(state.get("rollout_restarts", 0))
             run_record.tag_engines(rec, conf, engines)
             loop = Loop(conf, StepRunner(conf, engines, scorer, data, start_step=int(state.get("step", 0))), sampler,
-                        run_id, run_dir, base_model, policy_path, stop=stop)
+                        run_id, run_dir, base_model, str(tokenizer), stop=stop, resumed_from=resume_dir)
             try:
-                with record.ending(), learner_faults(engines, run_id, run_dir):
+                with record.ending(), engine_faults(engines, run_id, run_dir, uri, lambda: loop.step):
                     summary = loop.run(int(state.get("step", 0)), console)
             finally:
                 stop.cleaning_up = True  # a further signal must not cut the engines' shutdown short

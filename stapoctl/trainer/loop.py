@@ -4,11 +4,10 @@ the metrics logged, checkpoints when due or when a signal asks the run to stop.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -63,8 +62,10 @@ class Loop:
     run_id: str
     run_dir: Path
     base_model: str
-    tokenizer_dir: str
+    tokenizer_dir: str  # the run's own copy (`run_files.tokenizer_dir`): no rotation deletes it
     stop: Any = None  # GracefulStop: a signal ends the loop after the step in progress
+    resumed_from: Optional[Path] = None  # this process's resume point: retention keeps it (`checkpoint.prune`)
+    step: int = 0  # the step in progress, for a failure's one line
 
     def run(self, start_step: int, console: Console) -> dict:
         """Steps start_step+1 … total: step, validate when due, log, checkpoint when due."""
@@ -113,6 +114,7 @@ class Loop:
             self.stop.in_loop, self.stop.step = True, start_step
         saved, stopping = start_step, False
         for step in range(start_step + 1, total + 1):
+            self.step = step
             view.status(source.status)
             batch, metrics, sampler_state = source.step(step)
             if ahead:  # a step's wall time includes the overlapped generation
@@ -185,47 +187,20 @@ class Loop:
         return {}
 
     def save(self, step: int, sampler_state: dict) -> Path:
+        """A checkpoint, then retention; a full disk (or a write the driver could not make) ends the
+        run in one line here, anything the learner raised in `faults.engine_faults`."""
+        from ray.exceptions import RayTaskError
+
         from stapoctl.errors import RunFailed
+        from stapoctl.trainer.faults import save_failure
 
         try:
             return _save(self.runner.engines, self.run_dir, step, sampler_state, self.run_id, self.base_model,
-                         self.tokenizer_dir, self.conf)
+                         self.tokenizer_dir, self.conf, self.resumed_from)
         except OSError as exc:
+            if isinstance(exc, RayTaskError):  # not the disk (`checkpoint.save` says that): the learner's error
+                raise
             raise RunFailed(save_failure(exc, self.run_dir, step, self.run_id, self.conf.tracking.uri)) from exc
-
-
-def save_failure(exc: OSError, run_dir: Path, step: int, run_id: str, uri: Any = None) -> str:
-    """One line for a checkpoint that could not be written: where and why (for a full disk or
-    quota: the space left and a checkpoint's size), the checkpoint still intact, how to resume."""
-    import shlex
-    import shutil
-
-    from stapoctl.checkpoint import DISK_FULL, latest_step_dir, step_size
-
-    root = Path(run_dir) / "checkpoints"
-    last = latest_step_dir(run_dir)
-    resume = f"stapoctl train resume={run_id}" + (f" {shlex.quote(f'tracking.uri={uri}')}" if uri else "")
-    fix = "free space" if exc.errno in DISK_FULL else "fix that"
-    then = (f"{last.name} is intact: {fix} and resume with `{resume}`" if last else
-            f"no checkpoint was written before it: {fix} and start the run again")
-    if exc.errno not in DISK_FULL:
-        return (f"the step-{step} checkpoint could not be written to {root} ({exc.strerror or exc}): "
-                f"the run is FAILED; {then}")
-    try:
-        free = f"{_size(shutil.disk_usage(root).free)} free there"
-    except OSError:
-        free = "free space unknown"
-    took = f", {last.name} took {_size(step_size(last))}" if last else ""
-    return (f"disk full: the step-{step} checkpoint could not be written to {root} ({exc.strerror}; {free}{took}): "
-            f"the run is FAILED; {then}")
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def _validate(conf, engines, scorer, val_sets, step: int) -> dict:
@@ -264,7 +239,7 @@ def _log_samples(conf, batch, step: int) -> None:
 
 
 def _save(engines, run_dir: Path, step: int, sampler_state: dict, run_id: str, base_model: str, tokenizer_dir: str,
-          conf: DictConfig) -> Path:
+          conf: DictConfig, resumed_from: Optional[Path] = None) -> Path:
     import ray
 
     from stapoctl import checkpoint
@@ -284,24 +259,6 @@ def _save(engines, run_dir: Path, step: int, sampler_state: dict, run_id: str, b
         "config": OmegaConf.to_container(conf, resolve=True),
     }
     saved = checkpoint.save(run_dir, step, payload, state)
-    checkpoint.prune(run_dir, int(conf.trainer.get("keep_checkpoints") or 0), saved)
+    checkpoint.prune(run_dir, int(conf.trainer.get("keep_checkpoints") or 0), saved,
+                     protect=[resumed_from] if resumed_from else [])
     return saved
-
-
-@contextlib.contextmanager
-def learner_faults(engines, run_id: str, run_dir: Path):
-    """A dead learner rank ends the run with one line: which rank, why, and how to resume."""
-    try:
-        yield
-    except Exception as exc:
-        rank = engines.learner_rank_of(exc)
-        if rank is None:
-            raise
-        from stapoctl.errors import RunFailed
-        from stapoctl.checkpoint import latest_step_dir
-        from stapoctl.launch.actor_errors import describe_actor_death
-
-        last = latest_step_dir(run_dir)
-        where = f"from {last.name}" if last else "from the start (no checkpoint yet)"
-        raise RunFailed(f"learner rank {rank} died ({describe_actor_death(exc)}): the run is FAILED; resume "
-                        f"{where} with `stapoctl train resume={run_id}`") from exc

@@ -100,9 +100,21 @@ def prepare_run(conf: DictConfig, uri: str, state: dict, resume_dir: Optional[Pa
     run_preflight(conf, uri, run_dir)  # before any compute: output dir, disk space, the MLflow store
     if run_dir is not None:
         checkpoint.remove_partial_writes(run_dir, warn=warn)
-    base_model = state["base_model"] if state else resolve_policy(conf, console)
+    base_model = state["base_model"] if state else _starting_model(resolve_policy(conf, console), console)
     policy_path = str(resume_dir / "model") if resume_dir else base_model
     return run_dir, base_model, policy_path
+
+
+def _starting_model(model: str, console: Console) -> str:
+    """A starting model that is a run's checkpoint is copied out first: that run's retention may
+    delete it while this run still reads it (its KL reference, a restarted rollout actor)."""
+    from stapoctl.trainer import run_files
+
+    copy = run_files.starting_model(model)
+    if copy != model:
+        console.print(f"starting model {model} is a checkpoint, which its run's trainer.keep_checkpoints may delete: "
+                      f"this run reads its copy {copy}")
+    return copy
 
 
 def start_engines_and_data(conf: DictConfig, policy_path: str, console: Console, uri: str, session: Any,
