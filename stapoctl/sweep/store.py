@@ -27,11 +27,10 @@ TERMINAL = ("FINISHED", "FAILED", "KILLED")
 
 
 def client(uri: Optional[str]):
-    from mlflow.tracking import MlflowClient
-
     from stapoctl.tracking.mlflow_run import tracking_uri
+    from stapoctl.tracking.store_init import client as store_client
 
-    return MlflowClient(tracking_uri=tracking_uri(uri))
+    return store_client(tracking_uri(uri))
 
 
 def one_line(exc: BaseException, limit: int = 500) -> str:

@@ -64,10 +64,10 @@ class MetricBuffer:
 
     def __init__(self, run_dir: Path, run_id: str, tracking_uri: str, *,
                  say: Optional[Callable[[str], None]] = None, backoff_max_s: float = 5.0):
-        from mlflow import MlflowClient
+        from stapoctl.tracking.store_init import client
 
         self.run_dir, self.run_id, self.uri = Path(run_dir), run_id, tracking_uri
-        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.client = client(tracking_uri)
         self.say = say or (lambda msg: None)
         self.backoff_max_s = backoff_max_s
         self.path = self.run_dir / JOURNAL

@@ -28,7 +28,10 @@ def _artifact_root(uri: str) -> str | None:
 def setup(configured_uri: str | None, experiment: str) -> str:
     import mlflow
 
+    from stapoctl.tracking.store_init import ensure
+
     uri = tracking_uri(configured_uri)
+    ensure(uri)  # a fresh sqlite store's schema, made by one process at a time
     mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(experiment) is None:
         try:

@@ -41,11 +41,10 @@ def short_ids(run_ids: Iterable[str], min_len: int = MIN_SHORT) -> dict[str, str
 
 
 def _client(uri: Optional[str]):
-    from mlflow.tracking import MlflowClient
-
     from stapoctl.tracking.mlflow_run import tracking_uri
+    from stapoctl.tracking.store_init import client
 
-    return MlflowClient(tracking_uri=tracking_uri(uri))
+    return client(tracking_uri(uri))
 
 
 def resolve_run_id(spec: str, uri: Optional[str] = None, what: str = "run id") -> str:

@@ -25,9 +25,9 @@ STATUS = {"FINISHED": "done", "RUNNING": "running", "FAILED": "failed", "KILLED"
 
 
 def _client(uri: Optional[str]):
-    from mlflow.tracking import MlflowClient
+    from stapoctl.tracking.store_init import client
 
-    return MlflowClient(tracking_uri=tracking_uri(uri))
+    return client(tracking_uri(uri))
 
 
 def _experiment(client, uri: Optional[str], experiment: str):
@@ -203,7 +203,12 @@ def ui_links(uri: Optional[str], experiment: str, host: str, port: int,
 
 
 def serve_ui(uri: Optional[str], host: str, port: int) -> int:
-    """The MLflow UI on our store; bound to loopback unless the user asks otherwise."""
+    """The MLflow UI on our store; bound to loopback unless the user asks otherwise. A fresh
+    sqlite store is created first, through its lock (`store_init`): the server would create it
+    unguarded, racing a run or sweep that opens it at the same moment."""
+    from stapoctl.tracking.store_init import ensure
+
+    ensure(tracking_uri(uri))
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     cmd = [
         sys.executable, "-m", "mlflow", "server",

@@ -145,12 +145,11 @@ def nothing_to_do(conf: DictConfig, state: dict, uri: str, console: Console) -> 
 
 
 def _finish_record(run_dir: Path, run_id: str, uri: str, console: Console) -> None:
-    import mlflow
-
     from stapoctl.tracking.metric_buffer import MetricBuffer
+    from stapoctl.tracking.store_init import client
 
     try:
-        status = mlflow.MlflowClient(tracking_uri=uri).get_run(run_id).info.status
+        status = client(uri).get_run(run_id).info.status
     except Exception as exc:
         console.print(f"[yellow]MLflow at {uri} not reachable ({' '.join(str(exc).split())[:120]}); "
                       "the run's record is left as it is[/]")

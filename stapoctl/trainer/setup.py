@@ -182,9 +182,9 @@ def _driver_setup(conf: DictConfig, policy_path: str, console: Console, uri: str
         import torch  # noqa: F401  (the step loop's; else its first use pays it before step 1)
     if uri.startswith("sqlite:"):  # a server is only asked when the run opens, under its fail-fast limits
         try:
-            from mlflow import MlflowClient
+            from stapoctl.tracking.store_init import client
 
-            MlflowClient(tracking_uri=uri).get_experiment_by_name(str(conf.tracking.experiment))
+            client(uri).get_experiment_by_name(str(conf.tracking.experiment))
         except Exception:  # opening the run reports a store that does not answer, with its fix
             pass
     return prepare_data(conf, policy_path, console)
