@@ -40,6 +40,7 @@ from omegaconf import DictConfig
 
 from stapoctl import paths
 from stapoctl.errors import UserError
+from stapoctl.sweep import orphans
 from stapoctl.sweep.parallel import End
 from stapoctl.sweep.plan import Trial
 
@@ -120,7 +121,8 @@ def _check_memory(confs: list[DictConfig], k: int) -> None:
 # -- trials as processes here ----------------------------------------------------------------------
 class LocalTrials:
     """Each trial a `stapoctl train` process in a session of its own: the sweep forwards exactly
-    one signal to it (a terminal's Ctrl-C reaches the sweep alone, so no trial gets two)."""
+    one signal to it (a terminal's Ctrl-C reaches the sweep alone, so no trial gets two); if the
+    sweep dies, the kernel sends it the one stop itself (`orphans`)."""
 
     what = "process"
     poll_s = 1.0
@@ -137,7 +139,8 @@ class LocalTrials:
         overrides, env = self.slots[slot]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"trial-{trial.index + 1}.log"
-        args = [*TRAIN, *trial.overrides, *([f"resume={resume}"] if resume else []), *overrides]
+        args = orphans.command(os.getpid(), [*TRAIN, *trial.overrides, *([f"resume={resume}"] if resume else []),
+                                             *overrides])  # stops with a checkpoint if this process dies
         try:
             with open(log, "ab") as out:
                 proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

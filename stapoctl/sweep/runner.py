@@ -213,9 +213,26 @@ def _take_over(parent, uri: Optional[str], force: bool, console: Console) -> Non
         console.print(f"[yellow]sweep {parent.info.run_id[:8]} was left RUNNING by a process that is gone "
                       f"({where}); taking it over[/]")
     sweep_id = parent.info.run_id
-    for run in store.children(sweep_id, uri):
-        if run.info.status == "RUNNING":  # the dead sweep's trial: never leave it RUNNING
-            store.end_child(run.info.run_id, uri, "KILLED", "its sweep process died before the trial ended")
+    running = [run for run in store.children(sweep_id, uri) if run.info.status == "RUNNING"]
+    _still_stopping(running, parent)
+    for run in running:  # the dead sweep's trial: never leave it RUNNING
+        store.end_child(run.info.run_id, uri, "KILLED", "its sweep process died before the trial ended")
+
+
+def _still_stopping(running: list, parent) -> None:
+    """A trial of a dead sweep may still be writing its checkpoint (`orphans`: it got a SIGTERM):
+    resuming it now would find its run dir locked, so wait for it instead."""
+    from pathlib import Path
+
+    from stapoctl.trainer.run_status import run_dir_holder
+
+    busy = [(run.data.tags.get(layout.TRIAL, "?"), holder) for run in running
+            if run.data.tags.get("stapoctl.run_dir")
+            and (holder := run_dir_holder(Path(run.data.tags["stapoctl.run_dir"]))) is not None]
+    if busy:
+        which = ", ".join(f"trial {int(t) + 1} (pid {pid})" if t.isdigit() else f"pid {pid}" for t, pid in busy)
+        raise UserError(f"sweep {parent.info.run_id[:8]}: {which} still stopping (its step, then a checkpoint): "
+                        "resume once it has ended")
 
 
 # -- the loop ----------------------------------------------------------------------------------

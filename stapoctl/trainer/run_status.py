@@ -116,6 +116,21 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def run_dir_holder(run_dir: Path) -> Optional[str]:
+    """The pid of the process training in `run_dir` now (its lock is held), else None."""
+    path = Path(run_dir) / LOCK
+    if not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+    finally:
+        os.close(fd)
+
+
 def open_run(*, uri: Optional[str], experiment: str, run_name: Optional[str] = None, run_id: Optional[str] = None,
              parent_run_id: Optional[str] = None, tags: Optional[Mapping[str, str]] = None) -> str:
     """Create the MLflow run (or set an existing one RUNNING again); no fluent active run, so

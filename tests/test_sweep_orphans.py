@@ -1,0 +1,237 @@
+"""A local `max_parallel=2` sweep whose own process is SIGKILLed mid-trial: every trial it started
+gets one stop from the kernel (`sweep/orphans.py`), ends its step, writes a checkpoint and ends its
+run KILLED, and no trial process is left alive; the sweep's parent run stays RUNNING (nothing
+could end it) until `stapoctl sweep NAME resume=ID` runs only the unfinished trials, each from its
+checkpoint, and ends it FINISHED.
+
+`stapoctl train` is replaced by a stand-in (as in test_sweep_parallel.py) that writes the child run
+and, when stopped, a checkpoint the way the trainer does (`stapoctl.run_dir` tag, step dir with its
+trainer state), and continues that run when resumed from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import psutil
+import pytest
+from rich.console import Console
+
+from stapoctl.sweep import layout, store
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STAND_IN = r'''
+import json, os, signal, sys, time
+from pathlib import Path
+from mlflow import MlflowClient
+from stapoctl.config.compose import compose_config
+
+conf = compose_config(sys.argv[1:])
+index = int(conf.tracking.tags["stapoctl.trial"])
+fast = json.loads(os.environ["STAND_IN_SCRIPT"]).get(str(index)) == "fast"
+steps, stop = int(conf.trainer.total_steps), []
+for s in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(s, lambda signum, frame: stop.append(signum))
+log = open(os.environ["STAND_IN_LOG"], "a")
+def note(**kw):
+    log.write(json.dumps({"index": index, "pid": os.getpid(), "t": time.time(), **kw}) + "\n"); log.flush()
+note(event="start", argv=sys.argv[1:])
+c = MlflowClient(conf.tracking.uri)
+if conf.resume:  # the trainer continues the checkpoint's run
+    state = json.loads((Path(conf.resume) / "trainer_state.json").read_text())
+    rid, first = state["mlflow_run_id"], state["step"] + 1
+    c.update_run(rid, status="RUNNING")
+else:
+    exp = c.get_experiment_by_name(conf.tracking.experiment)
+    rid = c.create_run(exp.experiment_id, run_name=conf.tracking.run_name,
+                       tags={"mlflow.parentRunId": conf.tracking.parent_run_id, "stapoctl.kind": "train",
+                             **dict(conf.tracking.tags)}).info.run_id
+    first = 1
+    run_dir = Path(os.environ["STAND_IN_RUNS"]) / rid
+    c.log_param(rid, "trainer.total_steps", steps)
+    c.set_tag(rid, "stapoctl.run_dir", str(run_dir))
+run_dir = Path(os.environ["STAND_IN_RUNS"]) / rid
+note(event="run", run_id=rid, first=first)
+for step in range(first, steps + 1):
+    time.sleep(0.01 if fast else float(os.environ["STAND_IN_STEP_S"]))
+    c.log_metric(rid, "timing_s/step", 0.01, step=step)
+    c.set_tag(rid, "stapoctl.step", str(step))
+    if stop and step < steps:  # as the trainer: the step done, a checkpoint, the run KILLED
+        ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text(json.dumps({"step": step, "mlflow_run_id": rid}))
+        c.set_tag(rid, "stapoctl.stop_reason", "SIGTERM: stopped after step %d" % step)
+        c.set_terminated(rid, "KILLED")
+        note(event="end", status="KILLED", step=step)
+        sys.exit(128 + stop[0])
+c.log_metric(rid, "val/toy/train/avg_at_4", 0.25 * (index + 1), step=steps)
+c.log_metric(rid, "timing_s/val", 0.01, step=steps)
+c.set_terminated(rid, "FINISHED")
+note(event="end", status="FINISHED", step=steps)
+'''
+
+# the sweep's own process, as `stapoctl sweep` runs it, with the stand-in as its trainer
+PARENT = r'''
+import sys
+from rich.console import Console
+from stapoctl.sweep import launchers
+launchers.TRAIN = (sys.executable, sys.argv[1])
+from stapoctl.sweep.runner import sweep_command
+sys.exit(sweep_command("tau_p", sys.argv[2:], Console(width=200)))
+'''
+
+ARGS = ["values=[2e-3,2e-2,2e-1]", "seeds=[0]", "max_parallel=2", "trainer.total_steps=200",
+        "rollout.cpus_per_worker=0.5", "learner.cpus=0.5", "cluster.num_cpus=2"]
+
+
+def _events(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+
+
+def _wait(what, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what.__doc__}")
+
+
+def test_a_killed_sweep_leaves_no_trial_running_and_its_resume_finishes_it(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    log = tmp_path / "events.jsonl"
+    stand_in = tmp_path / "stand_in.py"
+    stand_in.write_text(STAND_IN)
+    env = {"STAPOCTL_HOME": str(tmp_path / "home"), "STAND_IN_LOG": str(log), "STAND_IN_RUNS": str(tmp_path / "runs"),
+           "STAND_IN_SCRIPT": json.dumps({"0": "fast"}), "STAND_IN_STEP_S": "0.5"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(stand_in), *ARGS, f"tracking.uri={uri}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def two_running_after_the_fast_one():
+            evs = _events(log)
+            ended = {e["index"] for e in evs if e["event"] == "end"}
+            return ended == {0} and {e["index"] for e in evs if e["event"] == "run"} == {0, 1, 2}
+        _wait(two_running_after_the_fast_one)
+        time.sleep(1.0)  # a step or two into trials 2 and 3
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+    def both_stopped():
+        return {e["index"] for e in _events(log) if e["event"] == "end"} == {0, 1, 2}
+    _wait(both_stopped, timeout=60)
+    evs = _events(log)
+    pids = {e["pid"] for e in evs}
+
+    def alive() -> list[int]:
+        out = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    out.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def all_gone():
+        return not alive()
+    _wait(all_gone, timeout=30)  # they exit right after their last words (no process is left behind)
+    ends = {e["index"]: e for e in evs if e["event"] == "end"}
+    assert ends[0]["status"] == "FINISHED" and ends[1]["status"] == ends[2]["status"] == "KILLED", ends
+
+    client = mlflow.MlflowClient(uri)
+    (sweep,) = client.search_runs([client.get_experiment_by_name("stapoctl").experiment_id],
+                                  filter_string=f"tags.`{layout.KIND}` = 'sweep'")
+    sweep_id = sweep.info.run_id
+    assert sweep.info.status == "RUNNING"  # nothing could end it: the resume does
+    kids = {r.data.tags[layout.TRIAL]: r.info.status for r in store.children(sweep_id, uri)}
+    assert kids == {"0": "FINISHED", "1": "KILLED", "2": "KILLED"}
+
+    # the resume: trials 2 and 3 only, each from its checkpoint, in the same child run; the parent ends
+    log.unlink()
+    monkeypatch.setenv("STAND_IN_STEP_S", "0.02")
+    from stapoctl.sweep import launchers
+    from stapoctl.sweep.runner import sweep_command
+
+    monkeypatch.setattr(launchers, "TRAIN", (sys.executable, str(stand_in)))
+    console = Console(record=True, width=200)
+    code = sweep_command("tau_p", [f"resume={sweep_id[:8]}", *ARGS, f"tracking.uri={uri}"], console)
+    out = console.export_text()
+    assert code == 0, out
+    assert "taking it over" in out and "1 already finished, running 2" in out, out
+    starts = sorted((e["index"], e["argv"]) for e in _events(log) if e["event"] == "start")
+    assert [i for i, _ in starts] == [1, 2]
+    for (i, argv), stopped in zip(starts, (ends[1]["step"], ends[2]["step"])):
+        assert any(a.startswith("resume=") and a.endswith(f"/checkpoints/step_{stopped:06d}") for a in argv), argv
+    assert sorted((e["index"], e["first"]) for e in _events(log) if e["event"] == "run") == \
+        [(1, ends[1]["step"] + 1), (2, ends[2]["step"] + 1)]
+    assert client.get_run(sweep_id).info.status == "FINISHED"
+    assert {r.data.tags[layout.TRIAL]: r.info.status for r in store.children(sweep_id, uri)} == \
+        {"0": "FINISHED", "1": "FINISHED", "2": "FINISHED"}
+
+
+MIDDLE = r"""
+import os, subprocess, sys, time
+from stapoctl.sweep import orphans
+p = subprocess.Popen(orphans.command(os.getpid(), [sys.executable, sys.argv[1], sys.argv[2]]))
+print(p.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
+def test_a_trial_gets_one_sigterm_when_its_sweep_is_killed(tmp_path):
+    """The wrapper execs the trial (same pid, as the sweep knows it); SIGKILL of the sweep → SIGTERM."""
+    from stapoctl.sweep import orphans
+
+    script, said = tmp_path / "trial.py", tmp_path / "said"
+    script.write_text("import os, signal, sys, time\nout = open(sys.argv[1], 'a')\n"
+                      "signal.signal(signal.SIGTERM, lambda s, f: (out.write(f'{os.getpid()} SIGTERM'), out.close(),"
+                      " sys.exit(143)))\nout.write('up\\n'); out.flush()\ntime.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    middle = subprocess.Popen([sys.executable, "-c", MIDDLE, str(script), str(said)], stdout=subprocess.PIPE,
+                              text=True, env=env)
+    pid = int(middle.stdout.readline())
+    _wait(lambda: said.exists() and "up" in said.read_text(), timeout=60)
+    middle.kill()
+    middle.wait()
+    _wait(lambda: "SIGTERM" in said.read_text(), timeout=30)
+    assert said.read_text() == f"up\n{pid} SIGTERM"
+    _wait(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, timeout=30)
+    # a sweep already gone when the wrapper starts: the trial never runs
+    late = subprocess.run(orphans.command(os.getpid() + 10**7, [sys.executable, str(script), str(said)]), env=env,
+                          timeout=60)
+    assert late.returncode == 128 + signal.SIGTERM and said.read_text() == f"up\n{pid} SIGTERM"
+
+
+def test_a_resume_waits_for_a_trial_still_writing_its_checkpoint(tmp_path):
+    """Its run dir is locked by the stopping trainer: the resume says so in one line."""
+    from types import SimpleNamespace
+
+    from stapoctl.errors import UserError
+    from stapoctl.sweep.runner import _still_stopping
+    from stapoctl.trainer.run_status import run_dir_holder, run_dir_lock
+
+    run = SimpleNamespace(data=SimpleNamespace(tags={layout.TRIAL: "1", "stapoctl.run_dir": str(tmp_path / "r")}))
+    parent = SimpleNamespace(info=SimpleNamespace(run_id="abcdef0123456789"))
+    with run_dir_lock(tmp_path / "r"):
+        assert run_dir_holder(tmp_path / "r") == str(os.getpid())
+        with pytest.raises(UserError, match=rf"^sweep abcdef01: trial 2 \(pid {os.getpid()}\) still stopping"):
+            _still_stopping([run], parent)
+    assert run_dir_holder(tmp_path / "r") is None
+    _still_stopping([run], parent)  # ended: the resume goes on
