@@ -192,3 +192,18 @@ def test_a_starting_model_inside_a_checkpoint_is_copied_out_once(tmp_path):
     shutil.rmtree(step)  # the other run's retention
     assert (Path(copy) / "config.json").is_file()
     assert run_files.starting_model(str(tmp_path / "tok"), home) == str(tmp_path / "tok")  # not a checkpoint
+
+
+def test_the_disk_plan_counts_the_checkpoint_a_resume_keeps(tmp_path):
+    from omegaconf import OmegaConf
+
+    from stapoctl.config.compose import compose_config
+    from stapoctl.config.shapes import known_shape
+    from stapoctl.preflight.memory_plan import disk_plan
+
+    conf = compose_config(["trainer.total_steps=100", "trainer.save_freq=5", "trainer.keep_checkpoints=2",
+                           f"trainer.output_dir={tmp_path}"])
+    shape = known_shape("Qwen/Qwen3-8B")
+    assert disk_plan(conf, shape).checkpoints == 3  # the K kept and the newer one being verified
+    OmegaConf.update(conf, "resume", str(tmp_path / "run"))
+    assert disk_plan(conf, shape).checkpoints == 4  # and the one it resumed from, while it runs

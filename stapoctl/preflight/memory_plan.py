@@ -174,8 +174,9 @@ def disk_plan(conf: DictConfig, shape: dict) -> DiskPlan:
     t = conf.trainer
     saves = int(t.total_steps) // int(t.save_freq) if int(t.save_freq) > 0 else 0
     keep = int(t.get("keep_checkpoints") or 0)
-    # a newer checkpoint is complete and verified before the oldest kept one goes
-    count = min(saves, keep + 1) if keep > 0 else saves
+    # a newer checkpoint is complete and verified before the oldest kept one goes; a resumed run
+    # also keeps the checkpoint it started from while it runs (its rollout actors reload it)
+    count = min(saves, keep + 1) + (1 if conf.get("resume") else 0) if keep > 0 else saves
     directory, _ = output_root(conf)
     free = _free_gib(directory)
     total = per_ckpt * count
