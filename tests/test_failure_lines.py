@@ -79,3 +79,16 @@ def test_the_stack_goes_to_the_mlflow_run(tmp_path, monkeypatch):
     assert buffer.close(30)
     text = client.download_artifacts(run_id, "errors/step_000003.txt", str(tmp_path / "dl"))
     assert "step 3: learner rank 0, save() raised" in Path(text).read_text()
+
+
+def test_a_stop_or_a_bad_input_raised_meanwhile_stays_what_it_is(tmp_path):
+    from stapoctl.errors import RunStopped, UserError
+
+    for raised in (RunStopped("SIGTERM: stopped after step 3", 15), UserError("resume=x: no checkpoint")):
+        with pytest.raises(type(raised)):
+            with engine_faults(_engines(), "r" * 32, tmp_path):
+                try:
+                    raise _task_error("train_step", RuntimeError("boom"), "aa")
+                except RuntimeError:
+                    raise raised  # raised while handling the actor's error: not that error
+    assert not (tmp_path / "errors.log").exists()

@@ -41,7 +41,8 @@ class RemoteError:
 
 
 def remote_error(exc: BaseException) -> Optional[RemoteError]:
-    """The `RayTaskError` in `exc`'s chain (an exception raised inside an actor method), else None."""
+    """The `RayTaskError` that `exc` is or was raised from (`raise … from`: an exception raised
+    inside an actor method), else None. An error raised while merely handling one is not it."""
     from ray.exceptions import RayTaskError
 
     seen: set[int] = set()
@@ -61,7 +62,7 @@ def remote_error(exc: BaseException) -> Optional[RemoteError]:
                                actor_id=actor if isinstance(actor, str) else actor.group(1) if actor else "",
                                cause=one_line(cause if isinstance(cause, BaseException) else e),
                                stack=text)
-        todo += [e.__cause__, e.__context__]
+        todo.append(e.__cause__)
     return None
 
 

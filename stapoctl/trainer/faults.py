@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from stapoctl.errors import RunFailed
+from stapoctl.errors import RunFailed, RunStopped, UserError
 
 ERRORS_LOG = "errors.log"
 
@@ -79,7 +79,7 @@ def engine_faults(engines, run_id: str, run_dir: Path, uri: Any = None, step_of=
     `step_of()`: the step in progress, for the line; `engines` None: before they are up."""
     try:
         yield
-    except RunFailed:
+    except (RunFailed, RunStopped, UserError):
         raise
     except Exception as exc:
         line = _learner_death(engines, exc, run_id, run_dir, uri) or _remote_failure(
