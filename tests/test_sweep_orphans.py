@@ -103,7 +103,7 @@ def _wait(what, timeout: float = 120.0):
         if got:
             return got
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what.__doc__}")
+    raise AssertionError(f"timed out waiting for: {what.__doc__ or what}")
 
 
 def test_a_killed_sweep_leaves_no_trial_running_and_its_resume_finishes_it(tmp_path, monkeypatch):
@@ -121,6 +121,7 @@ def test_a_killed_sweep_leaves_no_trial_running_and_its_resume_finishes_it(tmp_p
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         def two_running_after_the_fast_one():
+            """trial 1 finished, trials 2 and 3 running"""
             evs = _events(log)
             ended = {e["index"] for e in evs if e["event"] == "end"}
             return ended == {0} and {e["index"] for e in evs if e["event"] == "run"} == {0, 1, 2}
@@ -133,6 +134,7 @@ def test_a_killed_sweep_leaves_no_trial_running_and_its_resume_finishes_it(tmp_p
             parent.kill()
 
     def both_stopped():
+        """every trial ended (the two running ones stopped by the sweep's death)"""
         return {e["index"] for e in _events(log) if e["event"] == "end"} == {0, 1, 2}
     _wait(both_stopped, timeout=60)
     evs = _events(log)
@@ -149,6 +151,7 @@ def test_a_killed_sweep_leaves_no_trial_running_and_its_resume_finishes_it(tmp_p
         return out
 
     def all_gone():
+        """no trial process alive"""
         return not alive()
     _wait(all_gone, timeout=30)  # they exit right after their last words (no process is left behind)
     ends = {e["index"]: e for e in evs if e["event"] == "end"}
