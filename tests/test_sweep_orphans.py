@@ -238,3 +238,59 @@ def test_a_resume_waits_for_a_trial_still_writing_its_checkpoint(tmp_path):
             _still_stopping([run], parent)
     assert run_dir_holder(tmp_path / "r") is None
     _still_stopping([run], parent)  # ended: the resume goes on
+
+
+# -- on the real trainer and engines ----------------------------------------------------------------
+REAL = ["values=[2e-3,2e-1]", "seeds=[0]", "max_parallel=2", "rollout.cpus_per_worker=0.5", "learner.cpus=0.5",
+        "trainer.val_before_train=false", "trainer.save_freq=0", "trainer.total_steps=200", "eval.every_n_steps=200"]
+
+
+@pytest.mark.e2e
+def test_a_killed_sweep_stops_its_real_trials_with_a_checkpoint(shared_home, tmp_path):
+    """Two `stapoctl train` processes with their own Rays; the sweep's process is SIGKILLed once both
+    stepped: each trainer gets SIGTERM, ends its step, checkpoints, ends KILLED and takes its Ray
+    down; the parent stays RUNNING for the resume."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "STAPOCTL_HOME": str(shared_home.home), "PYTHONPATH": str(ROOT), "COLUMNS": "160",
+           "TERM": "dumb", "HF_HUB_OFFLINE": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    client = mlflow.MlflowClient(uri)
+    log = tmp_path / "sweep.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "stapoctl.cli", "sweep", "tau_p", *shared_home.overrides, *REAL,
+                                 f"tracking.uri={uri}"], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    tree: list[int] = []
+    try:
+        def both_stepped():
+            """both trials RUNNING with a step logged"""
+            assert proc.poll() is None, log.read_text()[-4000:]
+            exp = client.get_experiment_by_name("stapoctl")
+            for run in (client.search_runs([exp.experiment_id], f"tags.`{layout.KIND}` = 'train'") if exp else []):
+                if run.info.status != "RUNNING" or not client.get_metric_history(run.info.run_id, "batch/fingerprint"):
+                    return False
+            return exp is not None and len(client.search_runs([exp.experiment_id],
+                                                              f"tags.`{layout.KIND}` = 'train'")) == 2
+        _wait(both_stepped, timeout=900)
+        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        proc.kill()  # SIGKILL: the sweep cannot stop anything itself
+        proc.wait()
+
+        def tree_gone():
+            """every process the sweep started has exited"""
+            return not [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        _wait(tree_gone, timeout=600)
+    finally:
+        for pid in tree:  # clean up before failing
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+    from stapoctl.sweep.outcome import resume_point
+
+    (sweep,) = client.search_runs([client.get_experiment_by_name("stapoctl").experiment_id],
+                                  f"tags.`{layout.KIND}` = 'sweep'")
+    assert sweep.info.status == "RUNNING"
+    kids = store.children(sweep.info.run_id, uri)
+    assert [r.info.status for r in kids] == ["KILLED", "KILLED"]
+    assert all(r.data.tags["stapoctl.stop_reason"].startswith("SIGTERM") for r in kids), [r.data.tags for r in kids]
+    records = store.trial_records(sweep.info.run_id, 2, uri)
+    assert all(resume_point(records[i]) for i in (0, 1)), "a trial stopped without a checkpoint"
