@@ -59,6 +59,7 @@ ROWS = [
     ("appended_top_level_key", ["train", "+x=1"], "unknown config key 'x'"),
     # the recipe knobs of every loss (docs/LOSSES.md) and dynamic sampling
     ("kl_coef_negative", ["train", "loss.kl_coef=-0.1"], "loss.kl_coef=-0.1 must lie in [0, inf)"),
+    ("kl_clamp_negative", ["train", "loss.kl_clamp=-1"], "loss.kl_clamp=-1.0 must lie in [0, inf)"),
     ("is_cap_below_1", ["train", "loss.rollout_is_cap=0.5"], "loss.rollout_is_cap=0.5 must lie in [1, inf)"),
     ("tr_weighted_on_grpo", ["train", "loss=grpo", "loss.kl_estimator=tr_weighted"],
      "loss.kl_estimator=tr_weighted is TR-GRPO's own weighted form"),

@@ -89,14 +89,16 @@ class RegularizerFields(AdvantageFields):
 
     kl_coef: float = _f(0.0, "beta of + beta*agg(KL(pi || pi_ref)) (verl kl_loss_coef); > 0 needs ref_log_prob",
                         range="[0, inf)")
-    kl_estimator: str = _f("k3", "per-token KL estimate: k1 | k2 | k3 (verl low_var_kl, unclamped) | abs",
+    kl_estimator: str = _f("k3", "per-token KL estimate: k1 | k2 | k3 (verl low_var_kl) | abs",
                            choices=KL_ESTIMATORS)
+    kl_clamp: float = _f(10.0, "k3's value clamped to [-c, c] (verl 0.9.1: 10), which zeroes its gradient "
+                         "beyond; 0 = off", range="[0, inf)")
     entropy_coef: float = _f(0.0, "c of - c*agg(H) (verl entropy_coeff); its gradient needs "
                              "token_stats(entropy_grad=True)", range="[0, inf)")
     rollout_correction: str = _f(
         "auto",
         "weight for behaviour (rollout engine) != old policy, given behavior_log_prob: auto (token_tis) | off | "
-        "token_tis | seq_tis | token_mask (IcePop) | seq_mask",
+        "token_tis | seq_tis | token_mask (1 inside [1/C, C], 0 outside) | seq_mask",
         choices=ROLLOUT_CORRECTIONS,
     )
     rollout_is_cap: float = _f(2.0, "C: TIS truncation min(ratio, C); masks keep ratios in [1/C, C]",
@@ -151,8 +153,8 @@ class AggFields(ClipFields):
     loss_agg_mode: str = _f("token-mean", AGG_HELP, choices=AGG_MODES)
     per_microbatch_norm: bool = _f(
         False,
-        "normalise by the micro-batch's own count (verl's biased behaviour; the learner then "
-        "scales by 1/n_micro) instead of the mini-batch count from prepare_minibatch",
+        "normalise by the micro-batch's own count (biased; the learner then scales by 1/n_micro) "
+        "instead of the mini-batch count from prepare_minibatch (as verl 0.9.1 does)",
     )
 
 
