@@ -117,7 +117,8 @@ class RegularizerFields(AdvantageFields):
 
 @dataclass
 class DiagnosticFields(RegularizerFields):
-    """S2T thresholds: applied by the STAPO family, only measured (metrics) by the others."""
+    """S2T thresholds (applied by the STAPO family, only measured by the others) and the token rules
+    every loss applies on top of its method (``token_rules``; presets add theirs in ``preset_rules``)."""
 
     tau_p: float = _f(2e-3, "S2T absolute probability threshold: candidate iff pi(y_t) < tau_p (000 Remark 3.5)",
                       range="(0, 1]", why="a probability; 0 silences nothing, which is loss=dapo")
