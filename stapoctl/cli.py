@@ -329,11 +329,15 @@ def losses() -> None:
     """List the registered policy losses and their config fields."""
     from dataclasses import fields
 
+    from rich.markup import escape
     from rich.table import Table
 
+    from stapoctl.config.token_rules import EXAMPLE
     from stapoctl.losses import LOSSES
 
-    table = Table(title="Policy losses (loss=NAME loss.FIELD=VALUE)")
+    table = Table(title="Policy losses (loss=NAME loss.FIELD=VALUE)",
+                  caption=escape(f"token_rules (every loss; the one list field): ordered rules on top of the method, "
+                                 f"first match wins, e.g. 'loss.token_rules=[{EXAMPLE}]' (docs/LOSSES.md)"))
     table.add_column("name", style="bold")
     table.add_column("what")
     table.add_column("config fields (defaults)")
@@ -342,7 +346,11 @@ def losses() -> None:
         fields_text = ", ".join(
             f"{f.name}={getattr(cfg, f.name)!r}" for f in fields(cfg) if f.name != "name"
         )
-        table.add_row(name, (spec.doc or "").strip().splitlines()[0] if spec.doc else "", fields_text)
+        what = (spec.doc or "").strip().splitlines()[0] if spec.doc else ""
+        preset = cfg.preset_rules() if hasattr(cfg, "preset_rules") else ()
+        if preset:  # a preset of the rule engine: its rules in the token_rules grammar
+            what += "\npreset rules: " + "; ".join(rule.text() for rule in preset)
+        table.add_row(name, escape(what), escape(fields_text))
     console.print(table)
 
 
