@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from stapoctl.config.engines import GPU_TRANSPORTS
 from stapoctl.config.fields import default_of, problems
 from stapoctl.config.schema import GROUP_SCHEMAS
 from stapoctl.errors import UserError
@@ -97,7 +98,7 @@ def _check_cross_fields(conf: DictConfig) -> None:
     if t.get("mode") == "async" and r.get("old_logprob_source") == "rollout":
         raise UserError("trainer.mode=async needs rollout.old_logprob_source=recompute (or auto): the decoupled "
                         "objective's proximal policy is the learner's own, vLLM's log-probs are the stale one's")
-    if str(r.weight_sync) in ("nccl", "ipc") and not asks_gpus(conf):
+    if str(r.weight_sync) in GPU_TRANSPORTS and not asks_gpus(conf):
         raise UserError(f"rollout.weight_sync={r.weight_sync} needs GPUs; on CPU use auto or object_store")
     if t.get("dynamic_sampling") and float(r.temperature) == 0:
         raise UserError("trainer.dynamic_sampling=true needs rollout.temperature > 0: greedy decoding makes the n "
