@@ -6,9 +6,9 @@ input refused before anything starts, a sweep's plan) imports neither torch nor 
 `stapoctl train` imports torch on a thread while Ray starts. `LOSS_CONFIGS` names the built-ins;
 `stapoctl.losses.register_loss` adds a method registered at run time.
 
-Every field is Hydra/OmegaConf-friendly (int/float/bool/str/Optional of those, and one list:
+Every field is Hydra/OmegaConf-friendly (int/float/bool/str/Optional of those, and two lists:
 ``token_rules``, a list of dicts in YAML and on the command line, checked by
-`config.token_rules`) and carries
+`config.token_rules`, and ``shadow``, presets or rules only measured, `config.shadow_rules`) and carries
 its help text in ``metadata["help"]`` so `stapoctl losses` and docs/LOSSES.md can show it, and
 its valid values (``range="(0, 1]"`` or ``choices=...``, see `stapoctl.config.fields`): checked
 when a config is built and by `stapoctl train` before anything starts. A subclass redeclaring a
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, List, Optional
 
 from stapoctl.config.fields import problems, spec
+from stapoctl.config.shadow_rules import parse_shadows
 from stapoctl.config.token_rules import TokenRule, parse_rules
 from stapoctl.errors import UserError
 
@@ -133,6 +134,11 @@ class DiagnosticFields(RegularizerFields):
     token_rules: List[Any] = spec(
         help="ordered token rules on top of the method, e.g. [{adv: pos, prob: [0, 0.002], entropy_q: [0, 0.8], "
              "action: mask}] (docs/LOSSES.md 'Token rules')", default_factory=list)
+    # the second list field: rules only measured (token, positive-advantage and gradient shares)
+    shadow: List[Any] = spec(
+        help="presets or rules measured on every batch, never applied, e.g. [stapo, entropy20] or [table1] "
+             "(000 Table 1's eight cells); logs shadow/<name>/{token,pos_adv,grad}_share (docs/LOSSES.md "
+             "'Shadow rules')", default_factory=list)
 
     # a preset's silenced tokens are its S2T mask (stapo/* metrics report what it applied)
     PRESET_SILENCES: ClassVar[bool] = False
@@ -141,6 +147,7 @@ class DiagnosticFields(RegularizerFields):
         super().validate()
         try:
             parse_rules(self.token_rules)
+            self.shadows()
         except UserError as exc:
             raise UserError(f"{self.name}: {exc}") from None
 
@@ -151,6 +158,12 @@ class DiagnosticFields(RegularizerFields):
     def rules(self) -> tuple[TokenRule, ...]:
         """Every rule the loss applies, in order: the preset's, then ``token_rules``."""
         return self.preset_rules() + parse_rules(self.token_rules)
+
+    def shadows(self) -> tuple[tuple[str, tuple[TokenRule, ...]], ...]:
+        """(name, rules) of each shadow: measured on every batch, never applied (``shadow``)."""
+        if not self.shadow:  # also while LOSS_CONFIGS below is being built
+            return ()
+        return parse_shadows(self.shadow, self, LOSS_CONFIGS)
 
 
 @dataclass
