@@ -176,12 +176,12 @@ def test_losses_command_lists_every_registered_method():
     assert res.returncode == 0, res.stderr
     for name in (
         "grpo", "dapo", "stapo", "stapo_prob_only", "stapo_high_entropy", "entropy20",
-        "justrl", "wapo", "tr_grpo", "ppl_shaping", "position_shaping",
+        "justrl", "wapo", "tr_grpo", "ppl_shaping", "position_shaping", "stare", "advantage_reweighting",
     ):
         assert name in res.stdout
     # the one list field, on every loss, and the presets written as the rules they are
-    assert res.stdout.count("token_rules=[]") == 11 and "kl_clamp=10.0" in res.stdout
-    assert res.stdout.count("shadow=[]") == 11 and "loss.shadow=[stapo,table1]" in " ".join(res.stdout.split())
+    assert res.stdout.count("token_rules=[]") == 13 and "kl_clamp=10.0" in res.stdout
+    assert res.stdout.count("shadow=[]") == 13 and "loss.shadow=[stapo,table1]" in " ".join(res.stdout.split())
     assert "preset rules: {adv: pos, prob: [0, 0.002], entropy_q: [0, 0.8], action: mask}" in res.stdout
     assert "preset rules: {entropy_q: [0, 0.8], action: mask, renorm: false}" in res.stdout
     assert "loss.token_rules=[{adv: pos" in " ".join(res.stdout.split())  # the caption's example

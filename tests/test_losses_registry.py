@@ -13,7 +13,7 @@ from test_losses_methods import GROUPS, make_batch
 
 EXPECTED = {
     "grpo", "dapo", "stapo", "stapo_prob_only", "stapo_high_entropy", "entropy20", "justrl", "wapo",
-    "tr_grpo", "ppl_shaping", "position_shaping",
+    "tr_grpo", "ppl_shaping", "position_shaping", "stare", "advantage_reweighting",
 }
 SCALARS = {int, float, bool, str}
 LIST_FIELDS = ("token_rules", "shadow")  # config fields are scalars except these (config/token_rules.py, shadow_rules.py)

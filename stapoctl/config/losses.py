@@ -285,6 +285,42 @@ class Entropy20Config(AggFields):
 
 
 @dataclass
+class STAREConfig(AggFields):
+    """STARE (arXiv 2606.19236, O1 with static weights): DAPO's clip-higher and token-mean, dual clip
+    c = 10 (its script), the 10% least likely Â > 0 tokens' terms × W while the batch's H̄ < H_tgt."""
+
+    name: str = _f("stare", "registry key of the loss (loss=NAME)")
+    clip_ratio_c: Optional[float] = _f(10.0, "dual-clip constant (STARE's run script: 10.0)")
+    stare_top_ratio: float = _f(0.1, "P: the top-P surprisal share of each advantage sign's tokens (L+, L-)",
+                                range="(0, 1]")
+    stare_w: float = _f(1.1, "W: factor of the L+ terms (Â > 0, high surprisal)", range="[0, inf)")
+    stare_m: float = _f(1.0, "M: factor of the L- terms (Â < 0); 1 = variant O1, < 1 = C2 (paper: 0.9)",
+                        range="[0, inf)")
+    stare_target_entropy: float = _f(0.3, "H_tgt: the reweighting is on while the batch's mean H < H_tgt",
+                                     range="(0, inf)")
+
+    def preset_rules(self) -> tuple[TokenRule, ...]:
+        """L+ = {Â > 0, π in the bottom P of the Â > 0 tokens} × W (and L- × M for C2), gated by H̄ < H_tgt."""
+        band = dict(prob_q=(None, self.stare_top_ratio), mean_entropy=(None, self.stare_target_entropy))
+        rules = (TokenRule(name="l_plus", adv="pos", action="scale", scale=self.stare_w, **band),)
+        if self.stare_m != 1.0:
+            rules += (TokenRule(name="l_minus", adv="neg", action="scale", scale=self.stare_m, **band),)
+        return rules
+
+
+@dataclass
+class AdvantageReweightingConfig(GRPOConfig):
+    """Advantage Reweighting (arXiv 2505.12929) on GRPO: Â_t ← (α·π_old(y_t) + 1 − α)·Â_t."""
+
+    name: str = _f("advantage_reweighting", "registry key of the loss (loss=NAME)")
+    ar_alpha: float = _f(0.3, "alpha of (alpha*pi_old + 1 - alpha); 0 = GRPO (AR-Lopti scripts: 0.3 with Lopti, "
+                         "0.2 alone)", range="[0, 1]")
+
+    def preset_rules(self) -> tuple[TokenRule, ...]:
+        return (TokenRule(name="ar", action="weight", fn="old_prob", alpha=self.ar_alpha),)
+
+
+@dataclass
 class WAPOConfig(ClipFields):
     """WAPO: only A+ terms, 1/(G*T_max) per prompt, prompts without a winner contribute nothing."""
 
@@ -356,5 +392,6 @@ class PositionShapingConfig(GRPOConfig):
 LOSS_CONFIGS: dict[str, type] = {
     cls().name: cls
     for cls in (GRPOConfig, DAPOConfig, STAPOConfig, STAPOProbOnlyConfig, STAPOHighEntropyConfig, Entropy20Config,
-                JustRLConfig, WAPOConfig, TRGRPOConfig, PPLShapingConfig, PositionShapingConfig)
+                JustRLConfig, WAPOConfig, TRGRPOConfig, PPLShapingConfig, PositionShapingConfig, STAREConfig,
+                AdvantageReweightingConfig)
 }
