@@ -336,8 +336,8 @@ def losses() -> None:
     from stapoctl.losses import LOSSES
 
     table = Table(title="Policy losses (loss=NAME loss.FIELD=VALUE)",
-                  caption=escape(f"token_rules (every loss; the one list field): ordered rules on top of the method, "
-                                 f"first match wins, e.g. 'loss.token_rules=[{EXAMPLE}]' (docs/LOSSES.md)"))
+                  caption=escape(f"lists: token_rules, ordered and applied, e.g. 'loss.token_rules=[{EXAMPLE}]'; shadow, "
+                                 "only measured, e.g. 'loss.shadow=[stapo,table1]' (docs/LOSSES.md)"))
     table.add_column("name", style="bold")
     table.add_column("what")
     table.add_column("config fields (defaults)")

@@ -176,11 +176,12 @@ def test_losses_command_lists_every_registered_method():
     assert res.returncode == 0, res.stderr
     for name in (
         "grpo", "dapo", "stapo", "stapo_prob_only", "stapo_high_entropy", "entropy20",
-        "justrl", "wapo", "tr_grpo", "ppl_shaping", "position_shaping",
+        "justrl", "wapo", "tr_grpo", "ppl_shaping", "position_shaping", "stare", "advantage_reweighting",
     ):
         assert name in res.stdout
     # the one list field, on every loss, and the presets written as the rules they are
-    assert res.stdout.count("token_rules=[]") == 11 and "kl_clamp=10.0" in res.stdout
+    assert res.stdout.count("token_rules=[]") == 13 and "kl_clamp=10.0" in res.stdout
+    assert res.stdout.count("shadow=[]") == 13 and "loss.shadow=[stapo,table1]" in " ".join(res.stdout.split())
     assert "preset rules: {adv: pos, prob: [0, 0.002], entropy_q: [0, 0.8], action: mask}" in res.stdout
     assert "preset rules: {entropy_q: [0, 0.8], action: mask, renorm: false}" in res.stdout
     assert "loss.token_rules=[{adv: pos" in " ".join(res.stdout.split())  # the caption's example
@@ -225,6 +226,26 @@ def test_token_rules_from_the_command_line_reach_the_loss_unchanged_and_are_logg
                                         **slice_context(ctx, r), **loss_cfg)[0] for r in (slice(0, 2), slice(2, 6)))
         losses.append(total.item())
     assert losses[0] == pytest.approx(losses[1], abs=1e-7) and abs(losses[0] - losses[2]) > 1e-5  # the rules bite
+
+
+def test_shadows_from_the_command_line_reach_the_loss_and_change_nothing_but_metrics():
+    import torch
+    from omegaconf import OmegaConf
+
+    from stapoctl.config.compose import compose_config
+    from stapoctl.losses import compute_policy_loss
+
+    loss_cfg = dict(OmegaConf.to_container(compose_config(["loss=grpo", "loss.shadow=[stapo,entropy20]"]).loss,
+                                           resolve=True))
+    assert loss_cfg["shadow"] == ["stapo", "entropy20"]
+    g = torch.Generator().manual_seed(1)
+    batch = dict(log_prob=torch.rand(4, 6, generator=g).mul(-8.0), old_log_prob=torch.rand(4, 6, generator=g).mul(-8.0),
+                 advantages=torch.tensor([1., -1, 2, -2]), response_mask=torch.ones(4, 6, dtype=torch.bool),
+                 entropy=torch.rand(4, 6, generator=g))
+    shadowed, m = compute_policy_loss("grpo", **batch, **loss_cfg)
+    plain, _ = compute_policy_loss("grpo", **batch, **{**loss_cfg, "shadow": []})
+    # 24 distinct H: the 0.8 quantile lies between the 19th and 20th smallest, so 19 tokens fall below it
+    assert shadowed.item() == plain.item() and m["shadow/entropy20/token_share"] == pytest.approx(19 / 24)
 
 
 def test_bench_names_the_available_benchmarks():

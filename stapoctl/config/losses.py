@@ -6,9 +6,9 @@ input refused before anything starts, a sweep's plan) imports neither torch nor 
 `stapoctl train` imports torch on a thread while Ray starts. `LOSS_CONFIGS` names the built-ins;
 `stapoctl.losses.register_loss` adds a method registered at run time.
 
-Every field is Hydra/OmegaConf-friendly (int/float/bool/str/Optional of those, and one list:
+Every field is Hydra/OmegaConf-friendly (int/float/bool/str/Optional of those, and two lists:
 ``token_rules``, a list of dicts in YAML and on the command line, checked by
-`config.token_rules`) and carries
+`config.token_rules`, and ``shadow``, presets or rules only measured, `config.shadow_rules`) and carries
 its help text in ``metadata["help"]`` so `stapoctl losses` and docs/LOSSES.md can show it, and
 its valid values (``range="(0, 1]"`` or ``choices=...``, see `stapoctl.config.fields`): checked
 when a config is built and by `stapoctl train` before anything starts. A subclass redeclaring a
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, List, Optional
 
 from stapoctl.config.fields import problems, spec
+from stapoctl.config.shadow_rules import parse_shadows
 from stapoctl.config.token_rules import TokenRule, parse_rules
 from stapoctl.errors import UserError
 
@@ -133,6 +134,11 @@ class DiagnosticFields(RegularizerFields):
     token_rules: List[Any] = spec(
         help="ordered token rules on top of the method, e.g. [{adv: pos, prob: [0, 0.002], entropy_q: [0, 0.8], "
              "action: mask}] (docs/LOSSES.md 'Token rules')", default_factory=list)
+    # the second list field: rules only measured (token, positive-advantage and gradient shares)
+    shadow: List[Any] = spec(
+        help="presets or rules measured on every batch, never applied, e.g. [stapo, entropy20] or [table1] "
+             "(000 Table 1's eight cells); logs shadow/<name>/{token,pos_adv,grad}_share (docs/LOSSES.md "
+             "'Shadow rules')", default_factory=list)
 
     # a preset's silenced tokens are its S2T mask (stapo/* metrics report what it applied)
     PRESET_SILENCES: ClassVar[bool] = False
@@ -141,6 +147,7 @@ class DiagnosticFields(RegularizerFields):
         super().validate()
         try:
             parse_rules(self.token_rules)
+            self.shadows()
         except UserError as exc:
             raise UserError(f"{self.name}: {exc}") from None
 
@@ -151,6 +158,12 @@ class DiagnosticFields(RegularizerFields):
     def rules(self) -> tuple[TokenRule, ...]:
         """Every rule the loss applies, in order: the preset's, then ``token_rules``."""
         return self.preset_rules() + parse_rules(self.token_rules)
+
+    def shadows(self) -> tuple[tuple[str, tuple[TokenRule, ...]], ...]:
+        """(name, rules) of each shadow: measured on every batch, never applied (``shadow``)."""
+        if not self.shadow:  # also while LOSS_CONFIGS below is being built
+            return ()
+        return parse_shadows(self.shadow, self, LOSS_CONFIGS)
 
 
 @dataclass
@@ -272,6 +285,42 @@ class Entropy20Config(AggFields):
 
 
 @dataclass
+class STAREConfig(AggFields):
+    """STARE (arXiv 2606.19236, O1 with static weights): DAPO's clip-higher and token-mean, dual clip
+    c = 10 (its script), the 10% least likely Â > 0 tokens' terms × W while the batch's H̄ < H_tgt."""
+
+    name: str = _f("stare", "registry key of the loss (loss=NAME)")
+    clip_ratio_c: Optional[float] = _f(10.0, "dual-clip constant (STARE's run script: 10.0)")
+    stare_top_ratio: float = _f(0.1, "P: the top-P surprisal share of each advantage sign's tokens (L+, L-)",
+                                range="(0, 1]")
+    stare_w: float = _f(1.1, "W: factor of the L+ terms (Â > 0, high surprisal)", range="[0, inf)")
+    stare_m: float = _f(1.0, "M: factor of the L- terms (Â < 0); 1 = variant O1, < 1 = C2 (paper: 0.9)",
+                        range="[0, inf)")
+    stare_target_entropy: float = _f(0.3, "H_tgt: the reweighting is on while the batch's mean H < H_tgt",
+                                     range="(0, inf)")
+
+    def preset_rules(self) -> tuple[TokenRule, ...]:
+        """L+ = {Â > 0, π in the bottom P of the Â > 0 tokens} × W (and L- × M for C2), gated by H̄ < H_tgt."""
+        band = dict(prob_q=(None, self.stare_top_ratio), mean_entropy=(None, self.stare_target_entropy))
+        rules = (TokenRule(name="l_plus", adv="pos", action="scale", scale=self.stare_w, **band),)
+        if self.stare_m != 1.0:
+            rules += (TokenRule(name="l_minus", adv="neg", action="scale", scale=self.stare_m, **band),)
+        return rules
+
+
+@dataclass
+class AdvantageReweightingConfig(GRPOConfig):
+    """Advantage Reweighting (arXiv 2505.12929) on GRPO: Â_t ← (α·π_old(y_t) + 1 − α)·Â_t."""
+
+    name: str = _f("advantage_reweighting", "registry key of the loss (loss=NAME)")
+    ar_alpha: float = _f(0.3, "alpha of (alpha*pi_old + 1 - alpha); 0 = GRPO (AR-Lopti scripts: 0.3 with Lopti, "
+                         "0.2 alone)", range="[0, 1]")
+
+    def preset_rules(self) -> tuple[TokenRule, ...]:
+        return (TokenRule(name="ar", action="weight", fn="old_prob", alpha=self.ar_alpha),)
+
+
+@dataclass
 class WAPOConfig(ClipFields):
     """WAPO: only A+ terms, 1/(G*T_max) per prompt, prompts without a winner contribute nothing."""
 
@@ -343,5 +392,6 @@ class PositionShapingConfig(GRPOConfig):
 LOSS_CONFIGS: dict[str, type] = {
     cls().name: cls
     for cls in (GRPOConfig, DAPOConfig, STAPOConfig, STAPOProbOnlyConfig, STAPOHighEntropyConfig, Entropy20Config,
-                JustRLConfig, WAPOConfig, TRGRPOConfig, PPLShapingConfig, PositionShapingConfig)
+                JustRLConfig, WAPOConfig, TRGRPOConfig, PPLShapingConfig, PositionShapingConfig, STAREConfig,
+                AdvantageReweightingConfig)
 }

@@ -6,16 +6,22 @@ A rule is a condition over a response token and an action on its term of the pol
     {entropy_q: [0, 0.8], action: mask, renorm: false}                      # 20-Entropy
     {adv: neg, rel_position: [0.5, 1], action: scale, scale: 0.5, name: late_neg}
     {prob: [0, 0.1], action: weight, fn: surprisal}
+    {adv: pos, prob_q: [0, 0.1], mean_entropy: [0, 0.3], action: scale, scale: 1.1}  # STARE's L+ (gated)
+    {action: weight, fn: old_prob, alpha: 0.3}                              # AR: 0.3·π_old + 0.7
 
 Conditions (all given ones must hold; none = every token): ``adv`` pos | neg | any; bands
 ``[low, high]`` meaning low <= x < high on ``prob`` (π(y_t) of the current policy), ``entropy`` (H_t,
 absolute), ``entropy_q`` (quantiles of H over the mini-batch's response tokens, as STAPO's h*),
-``position`` (0-based index in the response) and ``rel_position`` (index / response length, in [0, 1)).
+``position`` (0-based index in the response), ``rel_position`` (index / response length, in [0, 1)),
+``prob_q`` (quantiles of π among the response tokens of the rule's advantage sign: [0, 0.1] is that
+sign's 10% least likely tokens) and ``mean_entropy`` (the mini-batch's mean H over its response
+tokens, the same for every token: a gate that turns the rule on or off for the whole batch).
 The upper bound is strict so that [0, τ) is exactly "π < τ" and [q, 1] is its complement; ``null``
 leaves an end open, and the top of a bounded range (prob 1, entropy_q 1, rel_position 1) does too, so
 [0.8, 1] includes the highest entropy. Actions: ``mask`` (``renorm: true``, the default, also
 drops the token from the denominator, STAPO's renormalisation; false keeps it counted),
-``scale`` with ``scale: c >= 0``, ``weight`` with ``fn: NAME`` (a registered weight function).
+``scale`` with ``scale: c >= 0``, ``weight`` with ``fn: NAME`` (a registered weight function f) and
+optionally ``alpha: a`` (the factor is a·f + (1 − a); default 1, f itself).
 Each token takes the action of the first rule it matches (the list is ordered).
 """
 
@@ -37,13 +43,15 @@ BANDS: dict[str, tuple[float, float, bool, bool]] = {
     "entropy_q": (0.0, 1.0, True, False),
     "position": (0.0, math.inf, False, True),
     "rel_position": (0.0, 1.0, True, False),
+    "prob_q": (0.0, 1.0, True, False),
+    "mean_entropy": (0.0, math.inf, False, False),
 }
 EXAMPLES = {"prob": "[0, 0.002]", "entropy": "[0, 1.5]", "entropy_q": "[0, 0.8]", "position": "[0, 64]",
-            "rel_position": "[0.5, 1]"}
-KEYS = ("name", "adv", *BANDS, "action", "renorm", "scale", "fn")
+            "rel_position": "[0.5, 1]", "prob_q": "[0, 0.1]", "mean_entropy": "[0, 0.3]"}
+KEYS = ("name", "adv", *BANDS, "action", "renorm", "scale", "fn", "alpha")
 EXAMPLE = "{adv: pos, prob: [0, 0.002], entropy_q: [0, 0.8], action: mask}"
 # the built-in weight functions (losses/rules.py registers them and any added at run time)
-TOKEN_WEIGHT_FNS: set[str] = {"prob", "one_minus_prob", "surprisal"}
+TOKEN_WEIGHT_FNS: set[str] = {"prob", "one_minus_prob", "surprisal", "old_prob"}
 
 Band = tuple[Optional[float], Optional[float]]  # (low, high); None = open end
 
@@ -60,9 +68,12 @@ class TokenRule:
     entropy_q: Optional[Band] = None
     position: Optional[Band] = None
     rel_position: Optional[Band] = None
+    prob_q: Optional[Band] = None
+    mean_entropy: Optional[Band] = None
     renorm: bool = True
     scale: float = 1.0
     fn: str = ""
+    alpha: float = 1.0
 
     def text(self) -> str:
         """The rule in the grammar it is written in (`stapoctl losses`, logs)."""
@@ -78,7 +89,7 @@ class TokenRule:
         if self.action == "scale":
             parts.append(f"scale: {_num(self.scale, 0)}")
         if self.action == "weight":
-            parts.append(f"fn: {self.fn}")
+            parts.append(f"fn: {self.fn}" + (f", alpha: {_num(self.alpha, 0)}" if self.alpha != 1.0 else ""))
         return "{" + ", ".join(parts) + "}"
 
 
@@ -136,7 +147,7 @@ def _action(where: str, raw: dict) -> dict[str, Any]:
     action = raw.get("action")
     if action not in ACTIONS:
         raise _fail(where, "action", action, f"must be {', '.join(ACTIONS[:-1])} or {ACTIONS[-1]}, e.g. action: mask")
-    for key, owner in (("renorm", "mask"), ("scale", "scale"), ("fn", "weight")):
+    for key, owner in (("renorm", "mask"), ("scale", "scale"), ("fn", "weight"), ("alpha", "weight")):
         if key in raw and action != owner:
             raise _fail(where, key, raw[key], f"only action: {owner} takes {key} (this rule has action: {action})")
     out: dict[str, Any] = {"action": action}
@@ -157,6 +168,11 @@ def _action(where: str, raw: dict) -> dict[str, Any]:
             raise _fail(where, "fn", fn, f"action: weight needs fn: NAME, a registered weight function "
                                          f"({', '.join(sorted(TOKEN_WEIGHT_FNS))})")
         out["fn"] = fn
+        a = raw.get("alpha", 1.0)
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+            raise _fail(where, "alpha", a, "alpha: a mixes the weight with 1 (a·f + 1 − a), a number in [0, 1], "
+                                           "e.g. alpha: 0.3")
+        out["alpha"] = float(a)
     return out
 
 

@@ -61,8 +61,9 @@ def _check_loss(loss: DictConfig) -> None:
     except (ValueError, TypeError) as exc:
         names = "|".join(re.escape(k) for k in values)
         message = re.sub(rf"^{re.escape(str(loss.name))}: ", "", str(exc).splitlines()[0])
-        # a field, or an element of the list field: token_rules[0].prob= -> loss.token_rules[0].prob=
-        message = re.sub(rf"(?<![\w.])((?:{names})(?:\[\d+\](?:\.\w+)?)?)=", r"loss.\1=", message)
+        # a field, or an element of a list field: token_rules[0].prob= -> loss.token_rules[0].prob=,
+        # shadow[1][0].adv= -> loss.shadow[1][0].adv=
+        message = re.sub(rf"(?<![\w.])((?:{names})(?:(?:\[\d+\])+(?:\.\w+)?)?)=", r"loss.\1=", message)
         raise UserError(f"loss={loss.name}: {message}") from None
 
 

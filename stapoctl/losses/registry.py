@@ -27,7 +27,9 @@ Extra per-call inputs (keyword arguments of ``compute_policy_loss`` / ``prepare_
 Mini-batch context (returned by ``prepare_minibatch``, passed back into every micro-batch
 call): ``entropy_threshold`` (S2T h* of the stapo/* metrics), ``entropy_q=<q>`` (the entropy
 quantiles token rules use: STAPO's h* is ``entropy_q=0.8``, 20-Entropy's threshold too),
-``loss_denominator`` (the normaliser of the aggregation mode), ``reg_denominator``
+``prob_q=<sign>:<q>`` (π quantiles among one advantage sign's tokens), ``mean_entropy`` (the mini-batch's
+mean H, a rule's gate), ``shadow/<name>/...`` and ``rollout_corr/abs_dlogp...`` (measured only,
+``shadow.py``), ``loss_denominator`` (the normaliser of the aggregation mode), ``reg_denominator``
 (that of the KL and entropy terms, over every response token; only when β or c > 0), and
 row-aligned tensors whose keys start with ``row_`` (``row_weight`` for wapo, ``row_ppl_weight`` for
 ppl_shaping) that must be sliced with the micro-batch rows (``slice_context``).
@@ -50,7 +52,9 @@ EXTRA_KEYS = frozenset(
 CONTEXT_KEYS = frozenset(
     {"entropy_threshold", "loss_denominator", "reg_denominator", "row_weight", "row_ppl_weight"}
 )
-CONTEXT_PREFIXES = ("entropy_q=",)  # one key per quantile a token rule reads (rules.QUANTILE_KEY)
+# one key per quantile a token rule reads (rules.QUANTILE_KEY, rules.PROB_QUANTILE_KEY), and the
+# measured-only mini-batch values of shadow.py (shadow/<name>/..., rollout_corr/abs_dlogp...)
+CONTEXT_PREFIXES = ("entropy_q=", "prob_q=", "mean_entropy", "shadow/", "rollout_corr/abs_dlogp")
 
 
 def is_context_key(key: str) -> bool:

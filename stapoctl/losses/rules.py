@@ -23,6 +23,8 @@ from .batch import PolicyBatch
 from .masks import masked_quantile
 
 QUANTILE_KEY = "entropy_q="  # context key prefix: entropy_q=0.8 holds quantile(H over M, 0.8)
+PROB_QUANTILE_KEY = "prob_q="  # prob_q=pos:0.1 holds quantile(π over the Â > 0 response tokens, 0.1)
+MEAN_ENTROPY_KEY = "mean_entropy"  # the mini-batch's mean H over its response tokens
 TOKEN_WEIGHTS: dict[str, Callable[[PolicyBatch], Tensor]] = {}
 
 
@@ -51,6 +53,12 @@ def _one_minus_prob(batch: PolicyBatch) -> Tensor:
     return 1.0 - batch.prob
 
 
+@register_token_weight("old_prob")
+def _old_prob(batch: PolicyBatch) -> Tensor:
+    """π_old(y_t), the policy before this step's updates (Advantage Reweighting's π)."""
+    return torch.where(batch.mask, batch.old.exp(), 0.0)
+
+
 @register_token_weight("surprisal")
 def _surprisal(batch: PolicyBatch) -> Tensor:
     """−log π(y_t) (the token's surprisal, in nats)."""
@@ -75,6 +83,19 @@ def entropy_quantile(batch: PolicyBatch, cfg, q: float) -> Tensor:
                      lambda: masked_quantile(batch.ent, batch.mask, float(q), interpolation))
 
 
+def prob_quantile(batch: PolicyBatch, cfg, adv: str, q: float) -> Tensor:
+    """quantile(π over the mini-batch's response tokens of advantage sign ``adv``, q) (STARE's L±)."""
+    sign = {"pos": batch.adv > 0, "neg": batch.adv < 0}.get(adv, batch.mask)
+    interpolation = getattr(cfg, "quantile_interpolation", "linear")
+    return batch.ctx(f"{PROB_QUANTILE_KEY}{adv}:{float(q)!r}",
+                     lambda: masked_quantile(batch.prob, batch.mask & sign, float(q), interpolation))
+
+
+def mean_entropy(batch: PolicyBatch) -> Tensor:
+    """The mini-batch's mean H over its response tokens (a rule's gate: STARE's H̄ < H_tgt)."""
+    return batch.ctx(MEAN_ENTROPY_KEY, lambda: batch.ent.sum() / batch.mask.sum().clamp(min=1))
+
+
 def _in_band(x: Tensor, band: Band, bound: Callable[[float], object] = float) -> Tensor:
     low, high = band
     out = torch.ones_like(x, dtype=torch.bool)
@@ -96,6 +117,10 @@ def condition(batch: PolicyBatch, cfg, rule: TokenRule) -> Tensor:
         hit = hit & _in_band(batch.ent, rule.entropy)
     if rule.entropy_q is not None:
         hit = hit & _in_band(batch.ent, rule.entropy_q, lambda q: entropy_quantile(batch, cfg, q))
+    if rule.prob_q is not None:
+        hit = hit & _in_band(batch.prob, rule.prob_q, lambda q: prob_quantile(batch, cfg, rule.adv, q))
+    if rule.mean_entropy is not None:
+        hit = hit & _in_band(mean_entropy(batch).expand_as(batch.ent), rule.mean_entropy)
     if rule.position is not None or rule.rel_position is not None:
         index = torch.cumsum(batch.mask.to(torch.float32), dim=-1) - 1.0  # 0-based among response tokens
         if rule.position is not None:
@@ -111,7 +136,8 @@ def _factor(batch: PolicyBatch, rule: TokenRule) -> Tensor | float:
         return rule.scale
     if rule.fn not in TOKEN_WEIGHTS:
         raise ValueError(f"token weight fn={rule.fn!r} is not registered ({', '.join(sorted(TOKEN_WEIGHTS))})")
-    return TOKEN_WEIGHTS[rule.fn](batch).detach().float()
+    f = TOKEN_WEIGHTS[rule.fn](batch).detach().float()
+    return f if rule.alpha == 1.0 else rule.alpha * f + (1.0 - rule.alpha)
 
 
 def evaluate_rules(batch: PolicyBatch, cfg, rules: tuple[TokenRule, ...]) -> RuleOutcome:
