@@ -34,11 +34,21 @@ LOSS = "stapoctl.loss"
 RUN_DIR = "stapoctl.run_dir"
 TRAIN_RUN_ID = "stapoctl.train_run_id"  # an eval run: the training run whose model it scored
 ALARM_PREFIX = "stapoctl.alarm."  # stapoctl.alarm.<name> on a KILLED run: a run-health alarm stopped it
+# sha256 of the evaluation protocol (eval/protocol.py) of an eval run, or of a training run's last
+# validation; the canonical JSON itself is the artifact PROTOCOL_ARTIFACT (its sha256 is the tag)
+PROTOCOL = "stapoctl.eval_protocol"
+PROTOCOL_UNKNOWN = "unknown"  # what compare calls a run recorded before protocols were
+# a confirmatory sweep (`sweep NAME confirm=PILOT`): its role and the pilot sweep it confirms
+SWEEP_ROLE = "stapoctl.sweep_role"
+ROLE_CONFIRMATORY = "confirmatory"
+CONFIRMS = "stapoctl.confirms"
 
 # -- params and artifacts --------------------------------------------------------------------
 SWEEP_KEY = "sweep.key"
 SWEEP_DEFINITION = "sweep.yaml"
 LOSS_NAME = "loss.name"
+PROTOCOL_ARTIFACT = "eval_protocol.json"
+CONFIRM_SIZING = "confirm_sizing.json"  # a confirmatory sweep's seed sizing (sweep/confirm.py)
 COMPARE_DIR = "compare"  # `compare SWEEP_ID` logs its table and figures here on the parent
 DIAGNOSTICS_DIR = "diagnostics"  # diagnostics/step_NNNNNN/… on every training run
 
