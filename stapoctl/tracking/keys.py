@@ -11,10 +11,15 @@ A sweep is an MLflow parent run:
   full `train` run, so it carries every resolved config value as a param (`loss.name`,
   `loss.tau_p`, `trainer.seed`, …) and the per-step metrics below.
 
+A confirmatory sweep (`sweep NAME confirm=PILOT`) adds tags `stapoctl.sweep_role=confirmatory` and
+`stapoctl.confirms=<pilot sweep id>` and the artifact `confirm_sizing.json`.
+
 A trial's final accuracy per benchmark and decoding is, first found: its own `eval/…` metric,
 the newest eval run nested under it (`stapoctl eval --model <trial id>`), or its last step's
 `val/…` metric. Accuracy metrics are `<val|eval>/<bench>/<decoding>/avg_at_<k>` (MLflow
-refuses "@"); decodings are `train` (T=1.0, top-p 1.0) and `justrl` (T=0.7, top-p 0.9).
+refuses "@"); decodings are `train` (T=1.0, top-p 1.0) and `justrl` (T=0.7, top-p 0.9). Each
+eval run and each training run's validation carries the tag `stapoctl.eval_protocol` (the sha256
+of its evaluation protocol, the canonical JSON artifact `eval_protocol.json`: eval/protocol.py).
 """
 
 from __future__ import annotations
