@@ -6,7 +6,7 @@ only that:
 
 - the sender is stapoctl's `Learner`; its own `StateIO.send_weights` (the ZeRO-3 gather
   context, the timing) calls `self.transfer.send_weights()`. In a run `transfer` is vLLM's
-  `IPCTrainerWeightTransferEngine` (sync/gpu_transfer.py); here it is `IPCSender`, which does
+  `IPCTrainerWeightTransferEngine` (sync/trainer_engines.py); here it is `IPCSender`, which does
   what vLLM 0.32's engine does in its unpacked mode: iterate `module.named_parameters()` (vLLM's
   `ModuleSource`), one `reduce_tensor` handle per tensor keyed by the GPU's UUID, the update's
   names / dtype_names / shapes / ipc_handles fields, and wait for the receiver.

@@ -113,10 +113,10 @@ def eval_cmd(
 def sweep(
     name: str = typer.Argument(..., help="A sweep in sweeps/: tau_p, tau_h, ablation, baselines"),
     overrides: Optional[List[str]] = typer.Argument(
-        None, help="values=[...] seeds=[...] resume=SWEEP_ID, and Hydra overrides for every trial, "
-        "e.g. experiment=stapo_qwen3_1.7b trainer.total_steps=200"
+        None, help="values=[...] seeds=[...] resume=SWEEP_ID confirm=PILOT_SWEEP max_seeds=N delta=D, and Hydra "
+        "overrides for every trial, e.g. experiment=stapo_qwen3_1.7b trainer.total_steps=200"
     ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the trials and their overrides; start nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the trials (and a confirm's sizing); start nothing."),
 ) -> None:
     """Run a family of runs: an MLflow parent run with one child `train` run per value and seed."""
     from stapoctl.sweep.runner import sweep_command
@@ -234,8 +234,7 @@ def runs(
 def compare(
     ids: List[str] = typer.Argument(..., help="A sweep id, or run ids (full or short, as `stapoctl runs` prints)"),
     metric: Optional[List[str]] = typer.Option(None, "--metric", help="Metric to plot and tabulate (repeatable)"),
-    out: Optional[str] = typer.Option(None, "--out", help="Directory for the table and figures "
-                                      "(default ./compare-<id>; a .png path names the curves file)"),
+    out: Optional[str] = typer.Option(None, "--out", help="Directory for tables and figures (default ./compare-<id>)"),
     test_metric: Optional[str] = typer.Option(None, "--test-metric", help="Metric the statistics test "
                                               "(default avg/<first decoding>: held-out accuracy over benches)"),
     baseline: Optional[str] = typer.Option(None, "--baseline", help="Row the others are tested against "
@@ -243,15 +242,17 @@ def compare(
     seeds_needed: Optional[float] = typer.Option(None, "--seeds-needed", help="Difference D (table units, "
                                                  "points for accuracy): seeds per row to detect it at 80% power"),
     rows: Optional[str] = typer.Option(None, "--rows", help="Only these rows, comma-separated (e.g. an ablation's)"),
+    mixed_protocols: bool = typer.Option(False, "--mixed-protocols", help="Show runs evaluated under different "
+                                         "protocols together (refused otherwise); the table says so"),
     uri: Optional[str] = typer.Option(None, "--uri"),
 ) -> None:
     """Table 2 of the paper (rows: methods or swept values; mean ± std over seeds), each row
-    against a baseline (bootstrap CIs, permutation p, Holm, verdict) and figures: accuracy vs
-    value, training curves with seed bands, per-category gradient norms."""
+    against a baseline (bootstrap CIs, permutation p, Holm, verdict) and figures."""
     from stapoctl.analysis.compare import compare as run_compare
 
     run_compare(uri, ids, console, metrics=metric or (), out=out, test_metric=test_metric, baseline=baseline,
-                seeds_delta=seeds_needed, rows=[r.strip() for r in (rows or "").split(",") if r.strip()])
+                seeds_delta=seeds_needed, rows=[r.strip() for r in (rows or "").split(",") if r.strip()],
+                mixed_protocols=mixed_protocols)
 
 
 @app.command()
@@ -329,11 +330,15 @@ def losses() -> None:
     """List the registered policy losses and their config fields."""
     from dataclasses import fields
 
+    from rich.markup import escape
     from rich.table import Table
 
+    from stapoctl.config.token_rules import EXAMPLE
     from stapoctl.losses import LOSSES
 
-    table = Table(title="Policy losses (loss=NAME loss.FIELD=VALUE)")
+    table = Table(title="Policy losses (loss=NAME loss.FIELD=VALUE)",
+                  caption=escape(f"lists: token_rules, ordered and applied, e.g. 'loss.token_rules=[{EXAMPLE}]'; shadow, "
+                                 "only measured, e.g. 'loss.shadow=[stapo,table1]' (docs/LOSSES.md)"))
     table.add_column("name", style="bold")
     table.add_column("what")
     table.add_column("config fields (defaults)")
@@ -342,7 +347,11 @@ def losses() -> None:
         fields_text = ", ".join(
             f"{f.name}={getattr(cfg, f.name)!r}" for f in fields(cfg) if f.name != "name"
         )
-        table.add_row(name, (spec.doc or "").strip().splitlines()[0] if spec.doc else "", fields_text)
+        what = (spec.doc or "").strip().splitlines()[0] if spec.doc else ""
+        preset = cfg.preset_rules() if hasattr(cfg, "preset_rules") else ()
+        if preset:  # a preset of the rule engine: its rules in the token_rules grammar
+            what += "\npreset rules: " + "; ".join(rule.text() for rule in preset)
+        table.add_row(name, escape(what), escape(fields_text))
     console.print(table)
 
 
@@ -350,10 +359,9 @@ _AS_PROCESS = False  # set by `main`: this interpreter is the `stapoctl` process
 
 
 def _exit_now(code: int = 0) -> None:
-    """Leave a finished command without Python's finalisation: it tears down the torch, Ray and
-    MLflow modules and collects the whole heap, ~1.5 s on 2 cores, for memory the OS reclaims
-    at exit anyway. The atexit handlers still run, and nothing is skipped while a non-daemon
-    thread is alive. Only as the `stapoctl` process: never inside a test's CliRunner."""
+    """Leave a finished command without Python's finalisation (torch, Ray and MLflow torn down, the
+    heap collected: ~1.5 s on 2 cores for memory the OS reclaims anyway); atexit handlers still run,
+    and nothing is skipped while a non-daemon thread lives. Only as the `stapoctl` process."""
     import atexit
     import os
     import threading

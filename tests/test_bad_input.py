@@ -59,6 +59,21 @@ ROWS = [
     ("appended_top_level_key", ["train", "+x=1"], "unknown config key 'x'"),
     # the recipe knobs of every loss (docs/LOSSES.md) and dynamic sampling
     ("kl_coef_negative", ["train", "loss.kl_coef=-0.1"], "loss.kl_coef=-0.1 must lie in [0, inf)"),
+    ("kl_clamp_negative", ["train", "loss.kl_clamp=-1"], "loss.kl_clamp=-1.0 must lie in [0, inf)"),
+    # token rules: one line per bad field of a rule, naming it and the fix
+    ("token_rule_unknown_key", ["train", "loss.token_rules=[{adv: pos, prb: [0, 0.002], action: mask}]"],
+     "loss.token_rules[0].prb=[0, 0.002]: unknown key: did you mean 'prob'?"),
+    ("token_rule_empty_band", ["train", "loss.token_rules=[{entropy_q: [0.8, 0.2], action: mask}]"],
+     "loss.token_rules[0].entropy_q=[0.8, 0.2]: an empty band (low <= x < high needs low < high), e.g. "
+     "entropy_q: [0, 0.8]"),
+    ("token_rule_negative_scale", ["train", "loss=grpo", "loss.token_rules=[{action: mask}, {action: scale, scale: -1}]"],
+     "loss.token_rules[1].scale=-1: action: scale needs scale: c, a finite number >= 0"),
+    # shadow rules: a preset name or a rule, refused the same way
+    ("shadow_unknown_preset", ["train", "loss=grpo", "loss.shadow=[stapo,stapoo]"],
+     "loss.shadow[1]=stapoo: not a preset; use advantage_reweighting, entropy20, stapo, stapo_high_entropy, "
+     "stapo_prob_only, stare, table1"),
+    ("shadow_bad_rule_in_a_list", ["train", "loss=grpo", "loss.shadow=[[{action: mask}, {adv: up, action: mask}]]"],
+     "loss.shadow[0][1].adv=up: must be pos (A > 0), neg (A < 0) or any"),
     ("is_cap_below_1", ["train", "loss.rollout_is_cap=0.5"], "loss.rollout_is_cap=0.5 must lie in [1, inf)"),
     ("tr_weighted_on_grpo", ["train", "loss=grpo", "loss.kl_estimator=tr_weighted"],
      "loss.kl_estimator=tr_weighted is TR-GRPO's own weighted form"),

@@ -176,9 +176,76 @@ def test_losses_command_lists_every_registered_method():
     assert res.returncode == 0, res.stderr
     for name in (
         "grpo", "dapo", "stapo", "stapo_prob_only", "stapo_high_entropy", "entropy20",
-        "justrl", "wapo", "tr_grpo", "ppl_shaping", "position_shaping",
+        "justrl", "wapo", "tr_grpo", "ppl_shaping", "position_shaping", "stare", "advantage_reweighting",
     ):
         assert name in res.stdout
+    # the one list field, on every loss, and the presets written as the rules they are
+    assert res.stdout.count("token_rules=[]") == 13 and "kl_clamp=10.0" in res.stdout
+    assert res.stdout.count("shadow=[]") == 13 and "loss.shadow=[stapo,table1]" in " ".join(res.stdout.split())
+    assert "preset rules: {adv: pos, prob: [0, 0.002], entropy_q: [0, 0.8], action: mask}" in res.stdout
+    assert "preset rules: {entropy_q: [0, 0.8], action: mask, renorm: false}" in res.stdout
+    assert "loss.token_rules=[{adv: pos" in " ".join(res.stdout.split())  # the caption's example
+
+
+RULES = ("loss.token_rules=[{adv: pos, prob: [0, 0.002], entropy_q: [0, 0.8], action: mask},"
+         " {adv: neg, rel_position: [0.5, null], action: scale, scale: 0.5, name: late_neg}]")
+
+
+def test_token_rules_from_the_command_line_reach_the_loss_unchanged_and_are_logged_in_full():
+    """The list composes as Hydra parses it, is one MLflow param in full, and the dict the learner
+    gets (`OmegaConf.to_container(conf.loss)`, passed as **cfg) drives the loss, micro-batched as the
+    learner does: dapo + [STAPO's rule, a scale of late A < 0 tokens] equals stapo + [that scale]."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from stapoctl.config.compose import compose_config, to_flat_dict
+    from stapoctl.losses import compute_policy_loss, prepare_minibatch, slice_context
+
+    cfg = compose_config(["loss=dapo", RULES])
+    rules = OmegaConf.to_container(cfg.loss.token_rules)
+    assert rules == [{"adv": "pos", "prob": [0, 0.002], "entropy_q": [0, 0.8], "action": "mask"},
+                     {"adv": "neg", "rel_position": [0.5, None], "action": "scale", "scale": 0.5, "name": "late_neg"}]
+    logged = str(to_flat_dict(cfg)["loss.token_rules"])  # the param tracking.log_config writes (≤ 6000 chars)
+    assert len(logged) < 6000
+    assert all(part in logged for part in ("'entropy_q': [0, 0.8]", "'scale': 0.5", "'name': 'late_neg'"))
+    dapo = dict(OmegaConf.to_container(cfg.loss, resolve=True))  # what the learner holds as loss_cfg
+    stapo = dict(OmegaConf.to_container(compose_config(["loss=stapo", "+loss.token_rules=[" + RULES.split("},", 1)[1]]).loss,
+                                        resolve=True))
+    g = torch.Generator().manual_seed(0)
+    lp = torch.rand(6, 7, generator=g).mul(-8.0)
+    batch = dict(old_log_prob=lp + 0.1 * torch.randn(6, 7, generator=g), advantages=torch.tensor([1., -1, 2, -2, .5, 0]),
+                 response_mask=torch.arange(7)[None] < torch.tensor([7, 5, 6, 3, 7, 4])[:, None],
+                 entropy=torch.rand(6, 7, generator=g) * 2)
+    losses = []
+    plain = {**dapo, "token_rules": []}
+    for loss_cfg in (dapo, stapo, plain):
+        name = loss_cfg["name"]
+        ctx = prepare_minibatch(name, log_prob=lp, **{k: v for k, v in batch.items() if k != "old_log_prob"},
+                                **loss_cfg)
+        total = sum(compute_policy_loss(name, log_prob=lp[r], **{k: v[r] for k, v in batch.items()},
+                                        **slice_context(ctx, r), **loss_cfg)[0] for r in (slice(0, 2), slice(2, 6)))
+        losses.append(total.item())
+    assert losses[0] == pytest.approx(losses[1], abs=1e-7) and abs(losses[0] - losses[2]) > 1e-5  # the rules bite
+
+
+def test_shadows_from_the_command_line_reach_the_loss_and_change_nothing_but_metrics():
+    import torch
+    from omegaconf import OmegaConf
+
+    from stapoctl.config.compose import compose_config
+    from stapoctl.losses import compute_policy_loss
+
+    loss_cfg = dict(OmegaConf.to_container(compose_config(["loss=grpo", "loss.shadow=[stapo,entropy20]"]).loss,
+                                           resolve=True))
+    assert loss_cfg["shadow"] == ["stapo", "entropy20"]
+    g = torch.Generator().manual_seed(1)
+    batch = dict(log_prob=torch.rand(4, 6, generator=g).mul(-8.0), old_log_prob=torch.rand(4, 6, generator=g).mul(-8.0),
+                 advantages=torch.tensor([1., -1, 2, -2]), response_mask=torch.ones(4, 6, dtype=torch.bool),
+                 entropy=torch.rand(4, 6, generator=g))
+    shadowed, m = compute_policy_loss("grpo", **batch, **loss_cfg)
+    plain, _ = compute_policy_loss("grpo", **batch, **{**loss_cfg, "shadow": []})
+    # 24 distinct H: the 0.8 quantile lies between the 19th and 20th smallest, so 19 tokens fall below it
+    assert shadowed.item() == plain.item() and m["shadow/entropy20/token_share"] == pytest.approx(19 / 24)
 
 
 def test_bench_names_the_available_benchmarks():

@@ -161,7 +161,7 @@ def test_expected_kv_cache():
 
 def test_engine_rows_need_the_model():
     out = engine.engine_rows(compose_config([]), None)
-    assert [r.status for r in out] == [NA, NA, NA]
+    assert [r.status for r in out] == [NA, NA, NA, NA]
 
 
 def test_partition_states_and_slurm_row_off_slurm():
@@ -215,24 +215,40 @@ def table_rows(stdout: str) -> dict[str, tuple[str, str]]:
 
 CHECKS = ["config", "versions", "CUDA", "NCCL", "GPUs", "model + tokenizer", "datasets", "MLflow", "disk", "SLURM",
           "all-reduce gloo", "all-reduce NCCL", "all-reduce vLLM pynccl", "engines start", "vLLM KV cache",
-          "weight sync"]
+          "transfer ranks", "weight sync"]
 
 
 @pytest.mark.engine
-def test_doctor_passes_here_on_the_tiny_config(shared_home, tmp_path):
+def test_doctor_passes_here_on_the_tiny_config_with_two_gloo_workers(shared_home, tmp_path):
+    """The run's own topology: 2 rollout workers linked over gloo, each its own rank, each synced."""
     t0 = time.monotonic()
-    res = doctor(shared_home, f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    res = doctor(shared_home, f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", "rollout.num_workers=2",
+                 "rollout.weight_sync=gloo", "rollout.weight_sync_timeout_s=60", "rollout.cpus_per_worker=0.5",
+                 "learner.cpus=0.5")
     found = table_rows(res.stdout)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert list(found) == CHECKS, res.stdout
     na = {"CUDA", "NCCL", "GPUs", "SLURM", "all-reduce NCCL", "all-reduce vLLM pynccl"}
     assert {c for c, (s, _) in found.items() if s == NA} == na, found
     assert all(found[c][0] == PASS for c in CHECKS if c not in na), found
-    assert "all applicable checks pass (10 PASS, 0 FAIL, 6 N/A)" in res.stdout
-    assert re.search(r"max \|Δ logp\| \d\.\de-0[5-9] after the sync", found["weight sync"][1])
+    assert "all applicable checks pass (11 PASS, 0 FAIL, 6 N/A)" in res.stdout
+    assert "gloo: 2 engine(s) × TP 1 on ranks [1, 2]" in found["transfer ranks"][1]
+    assert re.search(r"max \|Δ logp\| \d\.\de-0[5-9] after the sync \(gloo", found["weight sync"][1])
     assert "expected 0.25 GiB (rollout.kv_cache_gb=0.25)" in found["vLLM KV cache"][1]
     assert "sum 3 on every rank" in found["all-reduce gloo"][1]
     assert time.monotonic() - t0 < 300
+
+
+@pytest.mark.engine
+def test_doctor_checks_every_tensor_parallel_rank(shared_home, tmp_path):
+    """TP 2 over gloo: each of the engine's two worker processes holds its own rank and the weights."""
+    res = doctor(shared_home, f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", "rollout.tensor_parallel_size=2",
+                 "rollout.weight_sync=gloo", "rollout.weight_sync_timeout_s=60", "--json")
+    _, by_check = fail_rows(res)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert by_check["transfer ranks"].status == PASS and "1 engine(s) × TP 2 on ranks [1, 2]" in \
+        by_check["transfer ranks"].detail
+    assert by_check["weight sync"].status == PASS
 
 
 def fail_rows(res: subprocess.CompletedProcess) -> tuple[list[Row], dict[str, Row]]:
@@ -262,7 +278,7 @@ def test_doctor_fails_on_one_row_when_the_model_dir_is_missing(shared_home, tmp_
     assert res.returncode == 1, res.stderr[-3000:]
     assert [r.check for r in failed] == ["model + tokenizer"], failed
     assert "/nonexistent" in failed[0].detail and failed[0].fix.startswith("set model.path")
-    assert {by_check[c].status for c in ("engines start", "vLLM KV cache", "weight sync")} == {NA}
+    assert {by_check[c].status for c in ("engines start", "vLLM KV cache", "transfer ranks", "weight sync")} == {NA}
 
 
 def _slurm_here() -> bool:

@@ -34,6 +34,8 @@ def _engines():
     ("save", "learner rank 1", "writing the step-15 checkpoint"),
     ("train_step", "learner rank 1", "the step-15 update"),
     ("update_weights", "rollout actor 0", "the weight sync after step 15"),
+    ("receive_weights", "rollout actor 0", "the weight sync after step 15"),
+    ("kv_cache_gib", "rollout actor 0", "kv_cache_gib() at step 15"),
 ])
 def test_a_remote_exception_is_one_line_and_its_stack_is_kept(tmp_path, method, actor, doing):
     from stapoctl import checkpoint

@@ -121,3 +121,18 @@ def test_auto_correction_leaves_a_fresh_synchronous_batch_alone(tiny_dir):
     off = make_learner(tiny_dir, rollout_correction="off").train_step(batch, global_step=1).metrics
     assert off["rollout_corr/ratio_mean"] < 1.0  # measured ...
     assert off["actor/pg_loss"] == pytest.approx(m["actor/pg_loss"], abs=1e-7)  # ... and not applied
+
+
+def test_token_rules_pass_through_the_learner_unchanged(tiny_dir):
+    """`loss=dapo` with STAPO's rule as `token_rules` (a list of dicts in loss_cfg, passed as **cfg to
+    prepare_minibatch and every micro-batch's compute_policy_loss) trains exactly as `loss=stapo`;
+    without the rule dapo is another update (τ_p = 1: every A > 0 token below h* is silenced)."""
+    batch = batch_for(tiny_dir)
+    rule = {"adv": "pos", "prob": [0, 1.0], "entropy_q": [0, 0.8], "action": "mask"}
+    ruled = make_learner(tiny_dir, name="dapo", tau_p=1.0, token_rules=[rule]).train_step(batch, global_step=1).metrics
+    stapo = make_learner(tiny_dir, name="stapo", tau_p=1.0).train_step(batch, global_step=1).metrics
+    plain = make_learner(tiny_dir, name="dapo", tau_p=1.0).train_step(batch, global_step=1).metrics
+    assert ruled["rules/r0/token_ratio"] > 0 and ruled["stapo/spurious_count"] > 0
+    for key in ("actor/pg_loss", "actor/grad_norm", "loss/active_token_ratio"):
+        assert ruled[key] == pytest.approx(stapo[key], abs=1e-6), key
+    assert abs(plain["actor/grad_norm"] - stapo["actor/grad_norm"]) > 1e-4

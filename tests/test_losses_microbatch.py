@@ -74,7 +74,7 @@ def test_context_contents_for_stapo():
 
 
 def test_without_context_each_microbatch_is_its_own_minibatch():
-    # the per-micro-batch normalisation verl uses is a different (biased) number
+    # a per-micro-batch normalisation (biased; verl 0.9.1 normalises by the mini-batch) is another number
     loss, _ = _one_shot("stapo")
     acc, _, _ = _accumulated("stapo", use_context=False)
     assert acc.item() != pytest.approx(loss.item(), abs=1e-4)

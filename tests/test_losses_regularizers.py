@@ -59,12 +59,40 @@ def test_each_estimator_by_hand(estimator, row0):
     torch.testing.assert_close(kl[0], torch.tensor(row0), atol=1e-6, rtol=0)
 
 
-def test_k3_is_not_clamped_to_ten_like_verl():
+def test_k3_is_clamped_to_ten_like_verl_and_its_gradient_zeroed_beyond():
+    """x = π_ref/π: k3 = x − ln x − 1; at ln x = 3, 20.0855 − 3 − 1 = 16.0855 > 10; at ln x = 2,
+    7.3891 − 2 − 1 = 4.3891 < 10 keeps its value and its gradient 1 − x = −6.3891."""
+    lp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    ref = torch.tensor([[3.0, 2.0]])
+    kl = kl_estimate(lp, ref, "k3")  # the default clamp, 10
+    torch.testing.assert_close(kl, torch.tensor([[10.0, math.exp(2) - 3]]), atol=1e-5, rtol=0)
+    (g,) = torch.autograd.grad(kl.sum(), lp)
+    torch.testing.assert_close(g, torch.tensor([[0.0, 1 - math.exp(2)]]), atol=1e-5, rtol=0)
+    kl = kl_estimate(lp, ref, "k3", clamp=5.0)  # 4.3891 still inside
+    (g,) = torch.autograd.grad(kl.sum(), lp)
+    assert kl[0, 0].item() == 5.0 and g[0, 0].item() == 0.0 and g[0, 1].item() == pytest.approx(1 - math.exp(2))
+
+
+def test_k3_clamp_zero_is_off():
     lp = torch.tensor([[0.0]], requires_grad=True)
-    kl = kl_estimate(lp, torch.tensor([[3.0]]), "k3")  # x = e^3: 20.0855 - 3 - 1 = 16.0855
+    kl = kl_estimate(lp, torch.tensor([[3.0]]), "k3", clamp=0.0)
     assert kl.item() == pytest.approx(math.exp(3) - 4, abs=1e-4)
     (g,) = torch.autograd.grad(kl.sum(), lp)
-    assert g.item() == pytest.approx(1 - math.exp(3), abs=1e-4)  # a gradient verl's clamp would zero
+    assert g.item() == pytest.approx(1 - math.exp(3), abs=1e-4)
+
+
+@pytest.mark.parametrize("clamp, value, grad", [(10.0, 10.0, 0.0), (0.0, math.exp(3) - 4, 1 - math.exp(3))])
+def test_kl_clamp_through_the_loss(clamp, value, grad):
+    """One token, π = π_old (ρ = 1, A = 0: no surrogate gradient), ln(π_ref/π) = 3, β = 0.5."""
+    lp = torch.tensor([[math.log(0.01)]], requires_grad=True)
+    b = dict(log_prob=lp, old_log_prob=lp.detach().clone(), advantages=torch.tensor([0.0]),
+             response_mask=torch.tensor([[True]]), entropy=torch.ones(1, 1))
+    loss, m = compute_policy_loss("dapo", **b, kl_coef=0.5, kl_clamp=clamp, ref_log_prob=lp.detach() + 3.0)
+    assert m["actor/kl_loss"] == pytest.approx(value, abs=1e-4)
+    assert loss.item() == pytest.approx(0.5 * value, abs=1e-4)
+    (g,) = torch.autograd.grad(loss, lp)
+    assert g.item() == pytest.approx(0.5 * grad, abs=1e-4)
+    assert DAPOConfig().kl_clamp == 10.0
 
 
 def test_kl_term_token_mean_by_hand():
@@ -340,6 +368,7 @@ def test_off_knobs_are_bit_equal_to_the_method_alone(name):
     (DAPOConfig, dict(entropy_coef=-1e-3), "entropy_coef"),
     (DAPOConfig, dict(rollout_is_cap=0.5), "rollout_is_cap"),
     (DAPOConfig, dict(kl_estimator="k4"), "kl_estimator"),
+    (DAPOConfig, dict(kl_clamp=-1.0), "kl_clamp"),
     (DAPOConfig, dict(rollout_correction="icepop"), "rollout_correction"),
     (STAPOConfig, dict(loss_agg_mode="token-sum-norm"), "loss_agg_mode"),
     (GRPOConfig, dict(kl_estimator="tr_weighted"),

@@ -93,6 +93,32 @@ def test_metrics_are_logged_every_step(run):
 
 
 @pytest.mark.e2e
+def test_validation_records_its_protocol(run, tmp_path):
+    """The run's validations wrote their protocol (eval/protocol.py): the artifact's sha256 is the
+    tag, it describes what ran (the 64 held-out toy problems at k 4, the train decoding, the run's
+    max tokens), and the resume, validating the same way, left it as it was."""
+    import hashlib
+
+    import mlflow
+
+    from stapoctl.tracking import keys
+
+    client = mlflow.MlflowClient(run["uri"])
+    rid = run["first"]["run_id"]
+    tag = client.get_run(rid).data.tags[keys.PROTOCOL]
+    path = client.download_artifacts(rid, keys.PROTOCOL_ARTIFACT, str(tmp_path))
+    raw = open(path, "rb").read()
+    assert hashlib.sha256(raw).hexdigest() == tag
+    protocol = json.loads(raw)
+    assert protocol["benches"]["toy"]["problems"] == 64 and protocol["benches"]["toy"]["k"] == 4
+    params = client.get_run(rid).data.params
+    assert params["eval.decoding"] == "train"  # the tiny experiment validates at T=1.0 only
+    assert protocol["decodings"] == {"train": {"temperature": 1.0, "top_p": 1.0}}
+    assert protocol["max_tokens"] == int(params["eval.max_response_length"])
+    assert run["resumed"]["run_id"] == rid  # the resume re-recorded it on the same run: still the one protocol
+
+
+@pytest.mark.e2e
 def test_checkpoints_are_complete_and_loadable(run):
     from transformers import AutoModelForCausalLM
 

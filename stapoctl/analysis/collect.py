@@ -35,6 +35,8 @@ class Trial:
     seed: str
     finals: dict[tuple[str, str], tuple[float, int, str]] = field(default_factory=dict)  # (bench, dec) → (acc, k, source)
     alarms: list[str] = field(default_factory=list)  # the run-health alarms that stopped it (still a result)
+    # source of its finals ("val", "eval", "eval run") → (protocol sha256 or "unknown", the run tagged)
+    protocols: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -132,6 +134,14 @@ def _finals(run, evals: list) -> dict[tuple[str, str], tuple[float, int, str]]:
     return out
 
 
+def _protocols(run, evals: list, finals: dict) -> dict[str, tuple[str, str]]:
+    """Per source the run's finals came from: (the protocol sha256 of that evaluation, the run
+    whose tag it is); `keys.PROTOCOL_UNKNOWN` for a run recorded before protocols were."""
+    holder = {"val": run, "eval": run, "eval run": evals[0] if evals else run}
+    return {src: (holder[src].data.tags.get(keys.PROTOCOL, keys.PROTOCOL_UNKNOWN), holder[src].info.run_id)
+            for src in sorted({v[2] for v in finals.values()})}
+
+
 def collect(uri: Optional[str], ids: Sequence[str]) -> Comparison:
     """Resolve ids (full or short), expand sweeps to their trials, group, read final accuracies.
 
@@ -163,8 +173,9 @@ def collect(uri: Optional[str], ids: Sequence[str]) -> Comparison:
     groups: dict[str, list[Trial]] = {}
     for r in runs:
         label = label_of[r.info.run_id]
-        groups.setdefault(label, []).append(Trial(r, label, _seed(r), _finals(r, evals.get(r.info.run_id, [])),
-                                                  alarms(r)))
+        finals = _finals(r, evals.get(r.info.run_id, []))
+        groups.setdefault(label, []).append(Trial(r, label, _seed(r), finals, alarms(r),
+                                                  _protocols(r, evals.get(r.info.run_id, []), finals)))
     numbers = {g: _number(g) for g in groups}
     numeric = len(groups) > 1 and all(v is not None for v in numbers.values())
     if numeric:

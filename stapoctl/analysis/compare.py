@@ -19,13 +19,14 @@ from typing import Optional, Sequence
 from rich.console import Console
 from rich.markup import escape
 
-from stapoctl.analysis import figures
+from stapoctl.analysis import figures, protocols
 from stapoctl.analysis.cells import accuracy_cells, default_test_metric, is_accuracy, seed_values
 from stapoctl.analysis.collect import TRAINING_COLUMNS, Comparison, collect, mlflow_client, where
 from stapoctl.analysis.statistics import (ALPHA, EXACT_SPLITS, N_RESAMPLES, POWER, RANDOM_STATE, RTOL, RowStats,
                                           Sample, against)
-from stapoctl.analysis.tables import (STATS_TABLE, csv_text, markdown, records, stats_heading, stats_markdown,
-                                      stats_table, tables)
+from stapoctl.analysis.protocols import ProtocolCheck
+from stapoctl.analysis.tables import (STATS_TABLE, confirm_markdown, confirm_table, csv_text, markdown, records,
+                                      stats_heading, stats_markdown, stats_table, tables)
 from stapoctl.errors import UserError
 from stapoctl.tracking import keys
 
@@ -98,39 +99,27 @@ def test_rows(comp: Comparison, test_metric: Optional[str], baseline: Optional[s
 
 def compare(uri: Optional[str], ids: Sequence[str], console: Console, metrics: Sequence[str] = (),
             out: Optional[str] = None, test_metric: Optional[str] = None, baseline: Optional[str] = None,
-            seeds_delta: Optional[float] = None, rows: Sequence[str] = ()) -> dict[str, Path]:
+            seeds_delta: Optional[float] = None, rows: Sequence[str] = (),
+            mixed_protocols: bool = False) -> dict[str, Path]:
     """Print the tables (the last: statistics against a baseline row); write table.{md,csv,json}
     and the figures to out (a dir; a .png path names the training-curves file, as before); log
     them to each compared sweep under compare/. `rows`: only these rows, in this order (the family
-    a question is about: Holm adjusts over the rows tested)."""
+    a question is about: Holm adjusts over the rows tested). Rows evaluated under different
+    protocols are refused unless mixed_protocols (`analysis/protocols.py`); a confirmatory sweep
+    is tested on its own seeds, its pilot's estimate beside it (`pilot_view`)."""
     comp = only_rows(collect(uri, ids), rows)
+    client = mlflow_client(uri)
+    protocol = protocols.check(comp, client, mixed_protocols)
     columns = tuple((m, m) for m in metrics) if metrics else TRAINING_COLUMNS
     tested = test_rows(comp, test_metric, baseline, seeds_delta)
-    for note in comp.notes:  # what was left out, or counted once, and why
-        console.print(f"[yellow]{escape(note)}[/]", highlight=False, soft_wrap=True)
-    for heading, table in tables(comp, columns):
-        console.print(f"[bold]{heading}[/]", highlight=False)
-        console.print(table)
-    if tested:
-        console.print(f"[bold]{escape(tested.heading)}[/]", highlight=False)
-        console.print(stats_table(tested.rows, tested.scale, seeds_delta))
+    pilot = pilot_view(uri, comp, tested)
+    _print(console, comp, columns, tested, protocol, pilot)
     curves_name = "training_curves.png"
     out_dir = Path(out) if out else default_out(comp)
     if out and out.endswith(".png"):
         out_dir, curves_name = Path(out).parent, Path(out).name
     out_dir.mkdir(parents=True, exist_ok=True)
-    client = mlflow_client(uri)
-    written = {"table.md": out_dir / "table.md", "table.csv": out_dir / "table.csv",
-               "table.json": out_dir / "table.json"}
-    written["table.md"].write_text(markdown(comp, columns) + stats_md(tested))
-    rows = records(comp, columns) + stats_records(comp, tested)
-    written["table.csv"].write_text(csv_text(rows))
-    written["table.json"].write_text(json.dumps(
-        {"key": comp.key, "sweeps": [s.info.run_id for s in comp.sweeps], "notes": comp.notes, "rows": rows,
-         "statistics": stats_summary(tested),
-         "runs": [{"run_id": t.id, "group": t.group, "seed": t.seed, "name": t.run.info.run_name,
-                   "finals": {f"{b}/{d}": {"value": v, "k": k, "source": s} for (b, d), (v, k, s) in t.finals.items()}}
-                  for t in comp.trials]}, indent=1) + "\n")
+    written = _write(out_dir, comp, columns, tested, protocol, pilot)
     written.update(figures.draw_all(client, comp, out_dir, curves_name=curves_name, panels=list(metrics) or None))
     for sweep in comp.sweeps:
         for path in written.values():
@@ -141,6 +130,86 @@ def compare(uri: Optional[str], ids: Sequence[str], console: Console, metrics: S
                       + ", ".join(comp.short[s.info.run_id] for s in comp.sweeps) + f" under {keys.COMPARE_DIR}/",
                       highlight=False)
     return written
+
+
+def _print(console: Console, comp: Comparison, columns, tested: Optional[Tested], protocol: ProtocolCheck,
+           pilot: Optional[Pilot]) -> None:
+    for note in comp.notes:  # what was left out, or counted once, and why
+        console.print(f"[yellow]{escape(note)}[/]", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]{escape(protocol.text)}[/]" if protocol.mixed else escape(protocol.text),
+                  highlight=False, soft_wrap=True)
+    for heading, table in tables(comp, columns):
+        console.print(f"[bold]{heading}[/]", highlight=False)
+        console.print(table)
+    if tested:
+        console.print(f"[bold]{escape(tested.heading)}[/]", highlight=False)
+        console.print(stats_table(tested.rows, tested.scale, tested.delta))
+    if tested and pilot:
+        console.print(f"[bold]{escape(pilot.heading)}[/]", highlight=False)
+        console.print(confirm_table(tested.rows, pilot.rows, tested.scale))
+
+
+def _write(out_dir: Path, comp: Comparison, columns, tested: Optional[Tested], protocol: ProtocolCheck,
+           pilot: Optional[Pilot]) -> dict[str, Path]:
+    """table.md / table.csv / table.json in out_dir."""
+    written = {"table.md": out_dir / "table.md", "table.csv": out_dir / "table.csv",
+               "table.json": out_dir / "table.json"}
+    md = markdown(comp, columns) + stats_md(tested)
+    if tested and pilot:
+        md += confirm_markdown(tested.rows, pilot.rows, tested.scale, pilot.heading)
+    written["table.md"].write_text(f"{'**' + protocol.text + '**' if protocol.mixed else protocol.text}\n\n{md}")
+    rows = records(comp, columns) + stats_records(comp, tested)
+    written["table.csv"].write_text(csv_text(rows))
+    written["table.json"].write_text(json.dumps(
+        {"key": comp.key, "sweeps": [s.info.run_id for s in comp.sweeps], "notes": comp.notes, "rows": rows,
+         "protocol": protocol.to_json(), "statistics": stats_summary(tested),
+         "confirmatory": pilot.to_json() if pilot else None,
+         "runs": [{"run_id": t.id, "group": t.group, "seed": t.seed, "name": t.run.info.run_name,
+                   "protocols": {src: sha for src, (sha, _) in t.protocols.items()},
+                   "finals": {f"{b}/{d}": {"value": v, "k": k, "source": s} for (b, d), (v, k, s) in t.finals.items()}}
+                  for t in comp.trials]}, indent=1) + "\n")
+    return written
+
+
+@dataclass
+class Pilot:
+    """The pilot sweep a confirmatory sweep was sized from, and its (exploratory) statistics."""
+
+    sweep_id: str
+    seeds: list[str]  # the confirmatory sweep's own seeds
+    rows: list[RowStats]  # the pilot's rows, tested as compare would, on the pilot's seeds
+
+    @property
+    def heading(self) -> str:
+        return (f"Confirmatory on seeds {', '.join(self.seeds)} (fresh), beside its pilot {self.sweep_id[:8]}: "
+                "the pilot chose the design, so its estimate is exploratory, not evidence")
+
+    def to_json(self) -> dict:
+        return {"pilot": self.sweep_id, "seeds": self.seeds, "pilot_rows": [r.to_json() for r in self.rows]}
+
+
+def pilot_view(uri: Optional[str], comp: Comparison, tested: Optional[Tested]) -> Optional[Pilot]:
+    """For a confirmatory sweep (`sweep NAME confirm=PILOT`), compared alone: the pilot's rows
+    tested as compare would, on the pilot's seeds. A confirmatory sweep merged with others is
+    refused: its test is on its own seeds only."""
+    confirm = [s for s in comp.sweeps if s.data.tags.get(keys.SWEEP_ROLE) == keys.ROLE_CONFIRMATORY]
+    if not confirm:
+        return None
+    sweep = confirm[0]
+    if len(comp.sweeps) > 1 or any(t.run.data.tags.get(keys.SWEEP_ID) != sweep.info.run_id for t in comp.trials):
+        raise UserError(f"compare: sweep {comp.short.get(sweep.info.run_id, sweep.info.run_id)} is confirmatory: "
+                        "it is tested on its own seeds only; compare it alone (its pilot's estimate is shown beside it)")
+    pilot_id = sweep.data.tags.get(keys.CONFIRMS, "")
+    if tested is None or not pilot_id:
+        return None
+    pilot = collect(uri, [pilot_id])
+    shared = [g for g in comp.groups if g in pilot.groups]
+    if tested.baseline not in shared:
+        comp.notes.append(f"compare: the pilot {pilot_id[:8]} has no row {tested.baseline}: no pilot estimate shown")
+        return None
+    seeds = sorted({t.seed for t in comp.trials}, key=lambda x: (len(x), x))
+    pilot_tested = test_rows(only_rows(pilot, shared), tested.metric, tested.baseline, None)
+    return Pilot(pilot_id, seeds, pilot_tested.rows if pilot_tested else [])
 
 
 def stats_md(tested: Optional[Tested]) -> str:

@@ -5,7 +5,9 @@
   the bootstrap 95% CI of the mean over seeds, ± std where a row has fewer than 3 seeds;
 - training curves per row, mean over seeds with a min–max band (000 Figs. 3 and 5): training
   reward accuracy, held-out accuracy, entropy, spurious ratio, response length, clip fraction;
-- the per-category LM-head gradient-norm proxies the loss library logs (000 Fig. 2b over time).
+- the per-category LM-head gradient-norm proxies the loss library logs (000 Fig. 2b over time);
+- for the token grid (rows = 000 Table 1's cells), Δaccuracy per cell and each cell's gradient share
+  over training (`grid_figures.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from stapoctl.analysis import grid_figures
 from stapoctl.analysis.cells import accuracy_cells, column_header
 from stapoctl.analysis.statistics import mean_ci
 from stapoctl.tracking import keys
@@ -241,4 +244,8 @@ def draw_all(client, comp: Any, out_dir: Path, curves_name: str = "training_curv
     if curves(hist, comp, list(keys.GRAD_NORM.values()), out_dir / "grad_norms.png",
               "per-token |coef|·‖e(y)−π‖·‖h‖ averaged over each category's tokens (losses/diagnostics.py)"):
         out["grad_norms.png"] = out_dir / "grad_norms.png"
+    for name, draw in (("token_grid_delta.png", lambda p: grid_figures.delta_heatmap(comp, p)),
+                       ("token_grid_grad_share.png", lambda p: grid_figures.grad_share_curves(hist, comp, p))):
+        if draw(out_dir / name):
+            out[name] = out_dir / name
     return out

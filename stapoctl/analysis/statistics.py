@@ -190,13 +190,14 @@ def paired_p(pair: Optional[tuple[list[float], list[float]]]) -> Optional[float]
     return p if math.isfinite(p) else None
 
 
-def power(n: int, effect: float, paired_test: bool = False) -> float:
-    """Power of the two-sided t-test (two samples of n, or n pairs) at standardized effect."""
+def power(n: int, effect: float, paired_test: bool = False, alpha: float = ALPHA) -> float:
+    """Power of the two-sided t-test (two samples of n, or n pairs) at standardized effect and
+    level alpha (a confirmatory sweep sizes at ALPHA / m: Bonferroni over its m rows)."""
     from scipy import stats
 
     df = n - 1 if paired_test else 2 * n - 2
     ncp = effect * math.sqrt(n if paired_test else n / 2)
-    crit = stats.t.ppf(1 - ALPHA / 2, df)
+    crit = stats.t.ppf(1 - alpha / 2, df)
     return float(stats.nct.sf(crit, df, ncp) + stats.nct.cdf(-crit, df, ncp))
 
 

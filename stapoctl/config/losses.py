@@ -6,7 +6,9 @@ input refused before anything starts, a sweep's plan) imports neither torch nor 
 `stapoctl train` imports torch on a thread while Ray starts. `LOSS_CONFIGS` names the built-ins;
 `stapoctl.losses.register_loss` adds a method registered at run time.
 
-Every field is Hydra/OmegaConf-friendly (int/float/bool/str/Optional of those) and carries
+Every field is Hydra/OmegaConf-friendly (int/float/bool/str/Optional of those, and two lists:
+``token_rules``, a list of dicts in YAML and on the command line, checked by
+`config.token_rules`, and ``shadow``, presets or rules only measured, `config.shadow_rules`) and carries
 its help text in ``metadata["help"]`` so `stapoctl losses` and docs/LOSSES.md can show it, and
 its valid values (``range="(0, 1]"`` or ``choices=...``, see `stapoctl.config.fields`): checked
 when a config is built and by `stapoctl train` before anything starts. A subclass redeclaring a
@@ -18,9 +20,12 @@ registry key as default.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, List, Optional
 
 from stapoctl.config.fields import problems, spec
+from stapoctl.config.shadow_rules import parse_shadows
+from stapoctl.config.token_rules import TokenRule, parse_rules
+from stapoctl.errors import UserError
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 AGG_HELP = "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (Dr. GRPO: / T_max)"
@@ -89,14 +94,16 @@ class RegularizerFields(AdvantageFields):
 
     kl_coef: float = _f(0.0, "beta of + beta*agg(KL(pi || pi_ref)) (verl kl_loss_coef); > 0 needs ref_log_prob",
                         range="[0, inf)")
-    kl_estimator: str = _f("k3", "per-token KL estimate: k1 | k2 | k3 (verl low_var_kl, unclamped) | abs",
+    kl_estimator: str = _f("k3", "per-token KL estimate: k1 | k2 | k3 (verl low_var_kl) | abs",
                            choices=KL_ESTIMATORS)
+    kl_clamp: float = _f(10.0, "k3's value clamped to [-c, c] (verl 0.9.1: 10), which zeroes its gradient "
+                         "beyond; 0 = off", range="[0, inf)")
     entropy_coef: float = _f(0.0, "c of - c*agg(H) (verl entropy_coeff); its gradient needs "
                              "token_stats(entropy_grad=True)", range="[0, inf)")
     rollout_correction: str = _f(
         "auto",
         "weight for behaviour (rollout engine) != old policy, given behavior_log_prob: auto (token_tis) | off | "
-        "token_tis | seq_tis | token_mask (IcePop) | seq_mask",
+        "token_tis | seq_tis | token_mask (1 inside [1/C, C], 0 outside) | seq_mask",
         choices=ROLLOUT_CORRECTIONS,
     )
     rollout_is_cap: float = _f(2.0, "C: TIS truncation min(ratio, C); masks keep ratios in [1/C, C]",
@@ -111,7 +118,8 @@ class RegularizerFields(AdvantageFields):
 
 @dataclass
 class DiagnosticFields(RegularizerFields):
-    """S2T thresholds: applied by the STAPO family, only measured (metrics) by the others."""
+    """S2T thresholds (applied by the STAPO family, only measured by the others) and the token rules
+    every loss applies on top of its method (``token_rules``; presets add theirs in ``preset_rules``)."""
 
     tau_p: float = _f(2e-3, "S2T absolute probability threshold: candidate iff pi(y_t) < tau_p (000 Remark 3.5)",
                       range="(0, 1]", why="a probability; 0 silences nothing, which is loss=dapo")
@@ -122,6 +130,40 @@ class DiagnosticFields(RegularizerFields):
     )
     quantile_interpolation: str = _f("linear", "interpolation of entropy quantiles: linear | lower | higher | midpoint",
                                      choices=QUANTILE_MODES)
+    # the one list field (a deliberate exception to scalar fields): ordered token rules on top of the method
+    token_rules: List[Any] = spec(
+        help="ordered token rules on top of the method, e.g. [{adv: pos, prob: [0, 0.002], entropy_q: [0, 0.8], "
+             "action: mask}] (docs/LOSSES.md 'Token rules')", default_factory=list)
+    # the second list field: rules only measured (token, positive-advantage and gradient shares)
+    shadow: List[Any] = spec(
+        help="presets or rules measured on every batch, never applied, e.g. [stapo, entropy20] or [table1] "
+             "(000 Table 1's eight cells); logs shadow/<name>/{token,pos_adv,grad}_share (docs/LOSSES.md "
+             "'Shadow rules')", default_factory=list)
+
+    # a preset's silenced tokens are its S2T mask (stapo/* metrics report what it applied)
+    PRESET_SILENCES: ClassVar[bool] = False
+
+    def validate(self) -> None:
+        super().validate()
+        try:
+            parse_rules(self.token_rules)
+            self.shadows()
+        except UserError as exc:
+            raise UserError(f"{self.name}: {exc}") from None
+
+    def preset_rules(self) -> tuple[TokenRule, ...]:
+        """The rules a preset method is made of (STAPO, its ablations, 20-Entropy); none for the others."""
+        return ()
+
+    def rules(self) -> tuple[TokenRule, ...]:
+        """Every rule the loss applies, in order: the preset's, then ``token_rules``."""
+        return self.preset_rules() + parse_rules(self.token_rules)
+
+    def shadows(self) -> tuple[tuple[str, tuple[TokenRule, ...]], ...]:
+        """(name, rules) of each shadow: measured on every batch, never applied (``shadow``)."""
+        if not self.shadow:  # also while LOSS_CONFIGS below is being built
+            return ()
+        return parse_shadows(self.shadow, self, LOSS_CONFIGS)
 
 
 @dataclass
@@ -151,8 +193,8 @@ class AggFields(ClipFields):
     loss_agg_mode: str = _f("token-mean", AGG_HELP, choices=AGG_MODES)
     per_microbatch_norm: bool = _f(
         False,
-        "normalise by the micro-batch's own count (verl's biased behaviour; the learner then "
-        "scales by 1/n_micro) instead of the mini-batch count from prepare_minibatch",
+        "normalise by the micro-batch's own count (biased; the learner then scales by 1/n_micro) "
+        "instead of the mini-batch count from prepare_minibatch (as verl 0.9.1 does)",
     )
 
 
@@ -190,8 +232,18 @@ class STAPOConfig(AggFields):
     # the KL and entropy terms are never silenced: token-mean over every response token
     REGULARIZER_AGG: ClassVar[Optional[str]] = "token-mean"
 
+    PRESET_SILENCES: ClassVar[bool] = True
+
     name: str = _f("stapo", "registry key of the loss (loss=NAME)")
     renormalize: bool = _f(True, "divide by sum_t I_t (000 Eq. 1) rather than by |M|")
+
+    def preset_rules(self) -> tuple[TokenRule, ...]:
+        """000 Eq. 1: silence A > 0, pi < tau_p, H < h* = quantile(H, 1 - tau_h)."""
+        return (self._s2t(entropy_q=(None, 1.0 - self.tau_h)),)
+
+    def _s2t(self, **entropy: Any) -> TokenRule:
+        return TokenRule(name="s2t", adv="pos", prob=(None, self.tau_p), action="mask", renorm=self.renormalize,
+                         **entropy)
 
 
 @dataclass
@@ -200,12 +252,18 @@ class STAPOProbOnlyConfig(STAPOConfig):
 
     name: str = _f("stapo_prob_only", "registry key of the loss (loss=NAME)")
 
+    def preset_rules(self) -> tuple[TokenRule, ...]:
+        return (self._s2t(),)
+
 
 @dataclass
 class STAPOHighEntropyConfig(STAPOConfig):
     """Ablation: silence A > 0 and pi < tau_p and H >= h*."""
 
     name: str = _f("stapo_high_entropy", "registry key of the loss (loss=NAME)")
+
+    def preset_rules(self) -> tuple[TokenRule, ...]:
+        return (self._s2t(entropy_q=(1.0 - self.tau_h, None)),)
 
 
 @dataclass
@@ -219,6 +277,47 @@ class Entropy20Config(AggFields):
         False,
         "divide by the selected-token count instead of |M| (the 80/20 paper keeps 1/sum|o_i|)",
     )
+
+    def preset_rules(self) -> tuple[TokenRule, ...]:
+        """Keep H >= quantile(H, 1 - top_entropy_frac): mask the tokens below it."""
+        return (TokenRule(name="entropy20", entropy_q=(None, 1.0 - self.top_entropy_frac), action="mask",
+                          renorm=self.renormalize),)
+
+
+@dataclass
+class STAREConfig(AggFields):
+    """STARE (arXiv 2606.19236, O1 with static weights): DAPO's clip-higher and token-mean, dual clip
+    c = 10 (its script), the 10% least likely Â > 0 tokens' terms × W while the batch's H̄ < H_tgt."""
+
+    name: str = _f("stare", "registry key of the loss (loss=NAME)")
+    clip_ratio_c: Optional[float] = _f(10.0, "dual-clip constant (STARE's run script: 10.0)")
+    stare_top_ratio: float = _f(0.1, "P: the top-P surprisal share of each advantage sign's tokens (L+, L-)",
+                                range="(0, 1]")
+    stare_w: float = _f(1.1, "W: factor of the L+ terms (Â > 0, high surprisal)", range="[0, inf)")
+    stare_m: float = _f(1.0, "M: factor of the L- terms (Â < 0); 1 = variant O1, < 1 = C2 (paper: 0.9)",
+                        range="[0, inf)")
+    stare_target_entropy: float = _f(0.3, "H_tgt: the reweighting is on while the batch's mean H < H_tgt",
+                                     range="(0, inf)")
+
+    def preset_rules(self) -> tuple[TokenRule, ...]:
+        """L+ = {Â > 0, π in the bottom P of the Â > 0 tokens} × W (and L- × M for C2), gated by H̄ < H_tgt."""
+        band = dict(prob_q=(None, self.stare_top_ratio), mean_entropy=(None, self.stare_target_entropy))
+        rules = (TokenRule(name="l_plus", adv="pos", action="scale", scale=self.stare_w, **band),)
+        if self.stare_m != 1.0:
+            rules += (TokenRule(name="l_minus", adv="neg", action="scale", scale=self.stare_m, **band),)
+        return rules
+
+
+@dataclass
+class AdvantageReweightingConfig(GRPOConfig):
+    """Advantage Reweighting (arXiv 2505.12929) on GRPO: Â_t ← (α·π_old(y_t) + 1 − α)·Â_t."""
+
+    name: str = _f("advantage_reweighting", "registry key of the loss (loss=NAME)")
+    ar_alpha: float = _f(0.3, "alpha of (alpha*pi_old + 1 - alpha); 0 = GRPO (AR-Lopti scripts: 0.3 with Lopti, "
+                         "0.2 alone)", range="[0, 1]")
+
+    def preset_rules(self) -> tuple[TokenRule, ...]:
+        return (TokenRule(name="ar", action="weight", fn="old_prob", alpha=self.ar_alpha),)
 
 
 @dataclass
@@ -293,5 +392,6 @@ class PositionShapingConfig(GRPOConfig):
 LOSS_CONFIGS: dict[str, type] = {
     cls().name: cls
     for cls in (GRPOConfig, DAPOConfig, STAPOConfig, STAPOProbOnlyConfig, STAPOHighEntropyConfig, Entropy20Config,
-                JustRLConfig, WAPOConfig, TRGRPOConfig, PPLShapingConfig, PositionShapingConfig)
+                JustRLConfig, WAPOConfig, TRGRPOConfig, PPLShapingConfig, PositionShapingConfig, STAREConfig,
+                AdvantageReweightingConfig)
 }

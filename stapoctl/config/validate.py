@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from stapoctl.config.engines import GPU_TRANSPORTS
 from stapoctl.config.fields import default_of, problems
 from stapoctl.config.schema import GROUP_SCHEMAS
 from stapoctl.errors import UserError
@@ -60,7 +61,9 @@ def _check_loss(loss: DictConfig) -> None:
     except (ValueError, TypeError) as exc:
         names = "|".join(re.escape(k) for k in values)
         message = re.sub(rf"^{re.escape(str(loss.name))}: ", "", str(exc).splitlines()[0])
-        message = re.sub(rf"(?<![\w.])({names})=", r"loss.\1=", message)
+        # a field, or an element of a list field: token_rules[0].prob= -> loss.token_rules[0].prob=,
+        # shadow[1][0].adv= -> loss.shadow[1][0].adv=
+        message = re.sub(rf"(?<![\w.])((?:{names})(?:(?:\[\d+\])+(?:\.\w+)?)?)=", r"loss.\1=", message)
         raise UserError(f"loss={loss.name}: {message}") from None
 
 
@@ -96,7 +99,7 @@ def _check_cross_fields(conf: DictConfig) -> None:
     if t.get("mode") == "async" and r.get("old_logprob_source") == "rollout":
         raise UserError("trainer.mode=async needs rollout.old_logprob_source=recompute (or auto): the decoupled "
                         "objective's proximal policy is the learner's own, vLLM's log-probs are the stale one's")
-    if str(r.weight_sync) in ("nccl", "ipc") and not asks_gpus(conf):
+    if str(r.weight_sync) in GPU_TRANSPORTS and not asks_gpus(conf):
         raise UserError(f"rollout.weight_sync={r.weight_sync} needs GPUs; on CPU use auto or object_store")
     if t.get("dynamic_sampling") and float(r.temperature) == 0:
         raise UserError("trainer.dynamic_sampling=true needs rollout.temperature > 0: greedy decoding makes the n "

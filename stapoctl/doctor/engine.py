@@ -1,9 +1,10 @@
 """The slow checks, on the trainer's own engines (`trainer.engines.launch_engines`, so the path
-is the one a run takes): one vLLM rollout actor and one DeepSpeed learner rank on the run's
-model. Three rows: the engines start; the KV cache vLLM reports against the expected figure
-(CPU: rollout.kv_cache_gb; GPU: the memory plan's); and a weight-sync canary — the learner's
-weights perturbed, pushed to vLLM through the run's sync, and the log-probs of a fixed sequence
-compared (max |Δ logp|, the quantity of the trainer's canary `rollout/logprob_diff_max`)."""
+is the one a run takes), in the run's own topology: its rollout workers (× TP ranks) and learner
+ranks on the run's model, without the KL reference. Four rows: the engines start; the KV cache
+vLLM reports against the expected figure (CPU: rollout.kv_cache_gb; GPU: the memory plan's); the
+linked transport's ranks (each vLLM worker process its own); and a weight-sync canary — the
+learner's weights perturbed, pushed through the run's transport, and the log-probs of a fixed
+sequence compared on every worker (max |Δ logp|, the trainer's canary `rollout/logprob_diff_max`)."""
 
 from __future__ import annotations
 
@@ -97,34 +98,78 @@ def _max_diff(a, b, mask) -> float:
 
 
 def canary(engines: Any, model_path: str) -> tuple[float, float, float]:
-    """(max |Δ logp| before the sync, after it, the push's seconds) on the fixed batch."""
+    """(max |Δ logp| before the sync, after it — the smallest and the largest over every rollout
+    worker —, the push's seconds) on the fixed batch. Every learner rank is perturbed alike."""
     import ray
 
-    worker, learner = engines.workers[0], engines.learner
     batch = fixed_batch(model_path, int(engines.info.get("pad_token_id") or 0))
-    ray.get(learner.perturb_weights.remote(PERTURB_SCALE, seed=7))
-    learner_lp = ray.get(learner.compute_log_probs.remote(batch))["log_prob"]
-    before = _max_diff(ray.get(worker.score_batch.remote(batch)), learner_lp, batch.response_mask)
+    ray.get([h.perturb_weights.remote(PERTURB_SCALE, seed=7) for h in engines.learners])
+    learner_lp = ray.get([h.compute_log_probs.remote(batch) for h in engines.learners])[0]["log_prob"]
+
+    def diffs() -> list[float]:
+        return [_max_diff(s, learner_lp, batch.response_mask)
+                for s in ray.get([w.score_batch.remote(batch) for w in engines.workers])]
+
+    before = min(diffs())
     t0 = time.perf_counter()
     engines.push_weights()
     sync_s = time.perf_counter() - t0
-    after = _max_diff(ray.get(worker.score_batch.remote(batch)), learner_lp, batch.response_mask)
-    return before, after, sync_s
+    return before, max(diffs()), sync_s
+
+
+def ranks_row(engines: Any, tp_size: int) -> Row:
+    """A linked transport: every vLLM worker process holds its own rank, 1 … workers × TP (rank 0 is
+    the learner's); two engines on one rank would hang the rendezvous of a real cluster run."""
+    import ray
+
+    from stapoctl.sync.transports import transport
+
+    method = engines.info["sync_method"]
+    if transport(method).vllm_backend is None:
+        return not_applicable("transfer ranks", f"{method}: no process group (each actor loads from the object store)")
+    ranks = [r for per in ray.get([w.transfer_ranks.remote() for w in engines.workers]) for r in per]
+    want = list(range(1, 1 + len(engines.workers) * int(tp_size)))
+    detail = f"{method}: {len(engines.workers)} engine(s) × TP {tp_size} on ranks {ranks} (learner rank 0)"
+    if sorted(ranks) != want:
+        return failed("transfer ranks", detail, f"expected each of {want} once: report this (sync/client.py)")
+    return passed("transfer ranks", detail)
 
 
 def doctor_engine_conf(conf: DictConfig) -> DictConfig:
-    """The run's config with one rollout worker and one learner rank (the rest as the run has it)."""
+    """The run's config as it is (workers, TP, learner ranks, transport), without the KL reference:
+    the doctor checks the run's topology and needs no second copy of the model."""
     out = OmegaConf.create(OmegaConf.to_container(conf, resolve=True))
-    out.rollout.num_workers = 1
-    out.learner.num_ranks = 1
+    out.loss.kl_coef = 0.0
     return out
+
+
+def learner_fit(conf: DictConfig) -> Optional[str]:
+    """Why a learner rank cannot even hold the model's weights on one GPU (None: it can, or CPU)."""
+    if float(conf.learner.gpus_per_rank or 0) <= 0:
+        return None
+    from stapoctl.preflight.memory_plan import build_plan
+    from stapoctl.preflight.memory import dtype_bytes
+
+    try:
+        plan = build_plan(conf)
+    except Exception:  # the plan cannot size the model: let the engines say
+        return None
+    need = plan.params * dtype_bytes(conf.model.dtype) / 2**30
+    if plan.device_gib is not None and need > plan.device_gib:
+        return (f"the model's weights alone ({need:.1f} GiB in {conf.model.dtype}) exceed one GPU's "
+                f"{plan.device_gib:.0f} GiB: the run needs learner.zero_stage=3 over its ranks, which the doctor "
+                "does not start")
+    return None
 
 
 def engine_rows(conf: DictConfig, model_path: Optional[str], status=None) -> list[Row]:
     """Start the engines, read the KV cache, run the sync canary, stop them (and the Ray it started)."""
-    names = ("engines start", "vLLM KV cache", "weight sync")
+    names = ("engines start", "vLLM KV cache", "transfer ranks", "weight sync")
     if not model_path:
         return [not_applicable(n, "not run: needs the model (its row FAILs above)") for n in names]
+    too_big = learner_fit(conf)
+    if too_big:
+        return [not_applicable(n, f"not run: {too_big}") for n in names]
     import ray
 
     from stapoctl.launch.ray_runtime import shutdown_ray
@@ -137,13 +182,15 @@ def engine_rows(conf: DictConfig, model_path: Optional[str], status=None) -> lis
     say = status or (lambda msg: None)
     t0 = time.perf_counter()
     try:
-        say(f"starting 1 vLLM actor and 1 DeepSpeed learner rank on {model_path}…")
+        say(f"starting {dconf.rollout.num_workers} vLLM actor(s) (TP {dconf.rollout.tensor_parallel_size}) and "
+            f"{dconf.learner.num_ranks} DeepSpeed learner rank(s) on {model_path}…")
         engines = launch_engines(dconf, model_path).ready()
         info = engines.info
         rows.append(passed("engines start", f"vLLM + learner up in {time.perf_counter() - t0:.0f} s (vLLM "
                            f"{info['vllm_init_s']:.0f} s, learner {info['learner_setup_s']:.0f} s, in parallel)"))
         rows.append(_kv(conf, engines))
-        say("weight-sync canary: learner → vLLM, log-probs of a fixed sequence…")
+        rows.append(ranks_row(engines, int(dconf.rollout.tensor_parallel_size)))
+        say("weight-sync canary: learner → every vLLM actor, log-probs of a fixed sequence…")
         before, after, sync_s = canary(engines, model_path)
         rows.append(sync_row(before, after, sync_tolerance(conf.model.dtype), sync_s, info["sync_method"]))
     except Exception as exc:

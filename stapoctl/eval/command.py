@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from stapoctl.data.benches import expand_benches, select_decodings
 from stapoctl.eval.generation import generate_remaining
-from stapoctl.eval.mlflow_log import eval_run, log_mlflow
+from stapoctl.eval.mlflow_log import eval_protocol, eval_run, log_mlflow
 from stapoctl.eval.plan import plan_jobs
 from stapoctl.eval.store import model_slug
 from stapoctl.eval.summary import summarize_jobs
@@ -53,7 +53,7 @@ def run_eval(conf: Any, benches: Sequence[str], model: str | None = None, k: int
         from stapoctl.eval.report import print_report
 
         print_report(summary, console)
-        log_mlflow(conf, summary, jobs)
+        log_mlflow(conf, summary, jobs, eval_protocol(conf, jobs, decodings))
         summary["mlflow_run_id"] = run.info.run_id
     console.print(f"MLflow run {summary['mlflow_run_id']} (experiment '{conf.tracking.experiment}'); "
                   f"generations in {out_dir}", highlight=False)

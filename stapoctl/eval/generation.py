@@ -13,6 +13,7 @@ def start_workers(conf: Any, model_path: str, max_model_len: int) -> list[Any]:
     """RolloutWorker actors serving the model (rollout.num_workers, tensor-parallel as configured)."""
     import ray
 
+    from stapoctl.config.engines import rollout_eager, rollout_utilization
     from stapoctl.rollout.vllm_engine import EngineSpec
     from stapoctl.rollout.vllm_worker import make_rollout_worker
 
@@ -20,8 +21,8 @@ def start_workers(conf: Any, model_path: str, max_model_len: int) -> list[Any]:
     tp = int(r.tensor_parallel_size)
     spec_args = dict(model_path=model_path, seed=int(conf.eval.seed), max_model_len=max_model_len,
                      dtype=str(conf.model.dtype), tensor_parallel_size=tp,
-                     gpu_memory_utilization=float(r.gpu_memory_utilization), kv_cache_gb=float(r.kv_cache_gb),
-                     enforce_eager=bool(r.enforce_eager))
+                     gpu_memory_utilization=rollout_utilization(r, colocated=False), kv_cache_gb=float(r.kv_cache_gb),
+                     enforce_eager=rollout_eager(r, on_gpu=float(r.gpus_per_worker) > 0))
     gpus = float(r.gpus_per_worker) if float(r.gpus_per_worker) > 0 else 0.0
     workers = [make_rollout_worker(EngineSpec(**spec_args), num_cpus=float(r.cpus_per_worker),
                                    num_gpus=max(gpus, float(tp)) if gpus else 0.0)

@@ -34,10 +34,13 @@ def eval_run(conf, model_spec: str, model_path: str):
         yield run
 
 
-def log_mlflow(conf, summary: dict, jobs: list[dict]) -> None:
-    """Params, metrics and artifacts of the finished evaluation into the open eval run."""
+def log_mlflow(conf, summary: dict, jobs: list[dict], protocol: dict | None = None) -> None:
+    """Params, metrics and artifacts of the finished evaluation into the open eval run, and its
+    protocol (`eval/protocol.py`: artifact and tag, whatever tracking.log_artifacts says: compare
+    needs it)."""
     import mlflow
 
+    from stapoctl.eval import protocol as protocols
     from stapoctl.tracking import mlflow_run
 
     benches = sorted({r["bench"] for r in summary["results"]})
@@ -55,8 +58,18 @@ def log_mlflow(conf, summary: dict, jobs: list[dict]) -> None:
         metrics[f"eval/avg{avg['benches']}/{dec}/acc"] = avg["avg"]
     metrics["timing_s/eval"] = summary["wall_s"]
     mlflow_run.log_metrics(metrics, step=0)
+    if protocol is not None:
+        protocols.record(protocol, mlflow.log_text, mlflow.set_tags)
     if conf.tracking.log_artifacts:
         for job in jobs:
             if job["store"].path.exists():
                 mlflow.log_artifact(str(job["store"].path), artifact_path="generations")
         mlflow.log_text(json.dumps(summary, indent=2), "summary.json")
+
+
+def eval_protocol(conf, jobs: list[dict], decodings) -> dict:
+    """The protocol of an eval's jobs: each benchmark's problems (after --limit) and k."""
+    from stapoctl.eval import protocol
+
+    benches = {job["bench"]: (job["problems"], job["k"]) for job in jobs}
+    return protocol.build(conf, benches, decodings)

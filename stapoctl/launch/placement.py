@@ -116,9 +116,21 @@ class Placement:
             placement_group_capture_child_tasks=True)}
 
     def rollout_options(self, i: int) -> dict[str, Any]:
+        if self.colocated and self.rollout_stride > 1:  # TP > 1: vLLM's Ray workers take the GPUs (rollout_env)
+            return {**self._strategy("colocated", i * self.rollout_stride), "num_gpus": 0}
         if self.colocated:  # half of the GPU bundle it shares with learner rank i
             return {**self._strategy("colocated", i * self.rollout_stride), "num_gpus": 0.5}
         return self._strategy("rollout", i)
+
+    def rollout_env(self, i: int) -> dict[str, str]:
+        """Colocated TP > 1 (GPU): rollout worker i spans the one-GPU bundles i·TP … i·TP + TP − 1, half
+        of each (learner ranks hold the other halves); vLLM's Ray executor puts one TP worker in each
+        (OpenRLHF's layout). Nothing otherwise: the actor holds its GPUs or cores itself."""
+        if not (self.colocated and self.rollout_stride > 1):
+            return {}
+        first = i * self.rollout_stride
+        return {"VLLM_RAY_BUNDLE_INDICES": ",".join(str(first + k) for k in range(self.rollout_stride)),
+                "VLLM_RAY_PER_WORKER_GPUS": "0.5"}
 
     def learner_options(self, rank: int) -> dict[str, Any]:
         if self.colocated:

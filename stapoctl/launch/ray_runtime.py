@@ -42,7 +42,9 @@ def actor_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(pythonpath))
     # STAPOCTL_HOME must agree between driver and actors (extension cache, models).
     env["STAPOCTL_HOME"] = str(paths.home())
-    for key in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS"):
+    # STAPOCTL_TEST_SYNC_DELAY_S: a test hook (seconds a rollout actor waits inside a weight update,
+    # between vLLM's start and receive: tests/test_weight_transport.py makes a rollout race it)
+    for key in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS", "STAPOCTL_TEST_SYNC_DELAY_S"):
         if key in os.environ:
             env[key] = os.environ[key]
     from stapoctl.launch import mkl_shim

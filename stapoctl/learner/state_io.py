@@ -31,32 +31,42 @@ class StateIO:
         No copy is made here: Ray serialises a return value before the actor runs its next
         call. Under ZeRO-3 the gathered parameters are released when the block ends, so their
         bytes are copied out first."""
+        from stapoctl.sync.source import gathered_one
         from stapoctl.sync.worker_extension import raw_views
 
-        with self._gathered():
-            if self.rank != 0:
-                return []
-            return raw_views((k, v.detach().to("cpu", copy=True) if self.zero_stage == 3 else v)
-                             for k, v in self.module.state_dict().items())
+        out = []
+        for k, p in self.module.state_dict(keep_vars=True).items():  # ZeRO-3: one parameter gathered at a time
+            with gathered_one(p, self.zero_stage):
+                if self.rank == 0:
+                    out += raw_views([(k, p.detach().to("cpu", copy=True) if self.zero_stage == 3 else p.detach())])
+        return out
 
     def full_state_dict(self) -> dict:
         """name → full CPU tensor (gathered under ZeRO-3), tied weights under both names."""
         with self._gathered():
             return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
-    def init_weight_transfer(self, method: str, rollout_handles: Sequence[Any], vllm_world_size: int) -> None:
-        """Open the registered transport's link to the vLLM workers (`sync.transports`)."""
+    def init_weight_transfer(self, method: str, rollout_handles: Sequence[Any], tp_size: int = 1,
+                             timeout_s: float = 1800.0) -> None:
+        """Open the registered transport's link to the vLLM workers (`sync.transports`). The link
+        reads the rank's module at each push (`module_of`): a sweep's `reset` replaces it."""
         from stapoctl.learner.engine_setup import free_port, node_ip
-        from stapoctl.sync.gpu_transfer import TrainerLink, build_trainer_engine
+        from stapoctl.sync.trainer_engines import TrainerLink, build_trainer_engine
 
         self.transfer = build_trainer_engine(method, TrainerLink(
-            module=self.module, rollout_handles=rollout_handles, rank=self.rank, master_address=node_ip(),
-            master_port=free_port(), vllm_world_size=vllm_world_size))
+            module_of=lambda: self.module, zero_stage=int(self.zero_stage), rollout_handles=rollout_handles,
+            rank=self.rank, master_address=node_ip(), master_port=free_port(), tp_size=int(tp_size),
+            timeout_s=float(timeout_s)))
+
+    def transfer_update_info(self) -> dict:
+        """Names, dtypes and shapes of what a push sends (fixed for the link's life)."""
+        return self.transfer.update_info()
 
     def send_weights(self) -> float:
+        """Every rank: the transfer iterates the weights (under ZeRO-3 each parameter is gathered
+        alone, a collective); rank 0 sends them."""
         t0 = time.perf_counter()
-        with self._gathered():
-            self.transfer.send_weights()
+        self.transfer.send_weights()
         return time.perf_counter() - t0
 
     def perturb_weights(self, scale: float, seed: int = 0) -> None:

@@ -15,7 +15,7 @@ rollout_correction.py.
 Importing this package registers every method in ``LOSSES``.
 """
 
-from . import entropy20, pg, shaped, stapo, tr_grpo, wapo  # noqa: F401  (register the methods)
+from . import entropy20, pg, published, shaped, stapo, tr_grpo, wapo  # noqa: F401  (register the methods)
 from .advantages import compute_advantages
 from .api import compute_policy_loss, prepare_minibatch
 from .batch import PolicyBatch, slice_context
@@ -24,7 +24,7 @@ from .token_stats import token_stats
 
 # the order of the issue (and of `stapoctl losses`); methods registered later keep theirs after these
 _ORDER = ("grpo", "dapo", "stapo", "stapo_prob_only", "stapo_high_entropy", "entropy20", "justrl",
-          "wapo", "tr_grpo", "ppl_shaping", "position_shaping")
+          "wapo", "tr_grpo", "ppl_shaping", "position_shaping", "stare", "advantage_reweighting")
 _specs = dict(LOSSES)
 LOSSES.clear()
 LOSSES.update({k: _specs[k] for k in _ORDER if k in _specs})

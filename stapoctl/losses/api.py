@@ -61,8 +61,8 @@ def prepare_minibatch(
     ``reg_denominator``, ...) and [B] tensors under ``row_*`` keys, to be sliced per
     micro-batch with ``slice_context``. With it, the sum over micro-batches of loss (and
     gradient) equals the one-shot mini-batch value. ``old_log_prob`` may be passed
-    (ppl_shaping needs it); ``behavior_log_prob`` is not needed here, ``ref_log_prob`` only by
-    tr_grpo's own tr_weighted KL.
+    (ppl_shaping needs it); ``behavior_log_prob`` only by the measured values (shadow rules' G_t, the
+    mismatch per category), ``ref_log_prob`` only by tr_grpo's own tr_weighted KL.
     """
     spec = get_spec(name)
     old_log_prob = cfg.pop("old_log_prob", None)
@@ -74,6 +74,7 @@ def prepare_minibatch(
             log_prob=log_prob.detach(), old_log_prob=None if old_log_prob is None else old_log_prob.detach(),
             advantages=advantages, response_mask=response_mask, entropy=entropy.detach(), extras=extras,
         )
+        _apply_rollout_correction(batch, conf)  # the surrogate coefficients of shadow.py's G_t carry it
         record_context(batch, conf)
         spec.fn(batch, conf)
     return batch.exported_context()

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .masks import entropy_threshold, s2t_mask
+from .shadow import mismatch_metrics, shadow_metrics
 from .surrogate import Surrogate
 
 
@@ -112,6 +113,8 @@ def standard_metrics(
         "loss/active_token_ratio": _ratio((keep & mask).sum(), n_resp),
         "loss/response_tokens": n_resp,
     }
+    values.update(shadow_metrics(batch, cfg, g))  # shadow/<name>/*: measured, never applied
+    values.update(mismatch_metrics(batch, cfg))  # rollout_corr/abs_dlogp/<cell>, with behaviour log-probs
     values.update(getattr(batch, "metric_terms", {}))  # rollout_corr/*, actor/kl_loss, actor/entropy_loss
     values.update(extra or {})
     return to_floats(values)

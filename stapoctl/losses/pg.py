@@ -1,4 +1,5 @@
-"""Clipped policy-gradient baselines: GRPO, DAPO and the JustRL preset (000 §2.2-2.3)."""
+"""Clipped policy-gradient baselines: GRPO, DAPO and the JustRL preset (000 §2.2-2.3), and the
+shared body that applies a config's token rules (a preset's, then ``token_rules``: rules.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from stapoctl.config.losses import DAPOConfig, GRPOConfig, JustRLConfig
 from .batch import PolicyBatch
 from .diagnostics import standard_metrics
 from .registry import register_loss
+from .rules import RuleOutcome, evaluate_rules, rule_metrics
 from .surrogate import Surrogate, aggregate, clipped_surrogate, normaliser
 
 
@@ -41,14 +43,36 @@ def aggregate_with_context(
     return aggregate(token_loss, loss_mask, cfg.loss_agg_mode, norm_mask=norm_mask, denominator=denominator)
 
 
+def apply_rules(batch: PolicyBatch, cfg: Any) -> tuple[Optional[RuleOutcome], Optional[Tensor], dict]:
+    """(outcome or None without rules, the preset's silenced tokens for stapo/* metrics, rules/* metrics
+    of the user's ``token_rules``)."""
+    preset = cfg.preset_rules() if hasattr(cfg, "preset_rules") else ()
+    rules = cfg.rules() if hasattr(cfg, "rules") else ()
+    if not rules:
+        return None, None, {}
+    outcome = evaluate_rules(batch, cfg, rules)
+    silenced = None
+    if preset and getattr(cfg, "PRESET_SILENCES", False):
+        silenced = outcome.taken[0]
+        for hit in outcome.taken[1:len(preset)]:
+            silenced = silenced | hit
+    return outcome, silenced, rule_metrics(batch, rules[len(preset):], outcome.taken[len(preset):])
+
+
 def clipped_pg_loss(batch: PolicyBatch, cfg: Any, *, advantages: Optional[Tensor] = None,
                     weight: Optional[Tensor] = None, extra_token_loss: Optional[Tensor] = None,
                     extra_metrics: Optional[dict] = None):
-    """-(aggregated clipped surrogate) over every response token: the shared body of the baselines."""
+    """-(aggregated clipped surrogate) over the response tokens the config's rules leave (all of them
+    without rules): the shared body of the baselines and of the rule presets (STAPO, 20-Entropy)."""
     sur = surrogate_of(batch, cfg, advantages=advantages, weight=weight)
     token_loss = -sur.objective if extra_token_loss is None else extra_token_loss - sur.objective
-    loss = aggregate_with_context(batch, cfg, token_loss, loss_mask=batch.mask, norm_mask=batch.mask)
-    return loss, standard_metrics(batch, cfg, sur, loss, keep=batch.mask, extra=extra_metrics)
+    outcome, silenced, metrics = apply_rules(batch, cfg)
+    keep, norm = (batch.mask, batch.mask) if outcome is None else (outcome.keep, outcome.norm)
+    if outcome is not None:
+        token_loss = outcome.scaled(token_loss)
+    loss = aggregate_with_context(batch, cfg, token_loss, loss_mask=keep, norm_mask=norm)
+    extra = {**(extra_metrics or {}), **metrics} or None
+    return loss, standard_metrics(batch, cfg, sur, loss, keep=keep, silenced=silenced, extra=extra)
 
 
 @register_loss("grpo", GRPOConfig)

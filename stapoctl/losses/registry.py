@@ -25,8 +25,11 @@ Extra per-call inputs (keyword arguments of ``compute_policy_loss`` / ``prepare_
 - ``old_log_prob``: only for ``prepare_minibatch`` (ppl_shaping needs it there).
 
 Mini-batch context (returned by ``prepare_minibatch``, passed back into every micro-batch
-call): ``entropy_threshold`` (S2T h*), ``select_entropy_threshold`` (20-Entropy's
-threshold), ``loss_denominator`` (the normaliser of the aggregation mode), ``reg_denominator``
+call): ``entropy_threshold`` (S2T h* of the stapo/* metrics), ``entropy_q=<q>`` (the entropy
+quantiles token rules use: STAPO's h* is ``entropy_q=0.8``, 20-Entropy's threshold too),
+``prob_q=<sign>:<q>`` (π quantiles among one advantage sign's tokens), ``mean_entropy`` (the mini-batch's
+mean H, a rule's gate), ``shadow/<name>/...`` and ``rollout_corr/abs_dlogp...`` (measured only,
+``shadow.py``), ``loss_denominator`` (the normaliser of the aggregation mode), ``reg_denominator``
 (that of the KL and entropy terms, over every response token; only when β or c > 0), and
 row-aligned tensors whose keys start with ``row_`` (``row_weight`` for wapo, ``row_ppl_weight`` for
 ppl_shaping) that must be sliced with the micro-batch rows (``slice_context``).
@@ -47,9 +50,15 @@ EXTRA_KEYS = frozenset(
      "behavior_log_prob", "is_cap"}
 )
 CONTEXT_KEYS = frozenset(
-    {"entropy_threshold", "select_entropy_threshold", "loss_denominator", "reg_denominator", "row_weight",
-     "row_ppl_weight"}
+    {"entropy_threshold", "loss_denominator", "reg_denominator", "row_weight", "row_ppl_weight"}
 )
+# one key per quantile a token rule reads (rules.QUANTILE_KEY, rules.PROB_QUANTILE_KEY), and the
+# measured-only mini-batch values of shadow.py (shadow/<name>/..., rollout_corr/abs_dlogp...)
+CONTEXT_PREFIXES = ("entropy_q=", "prob_q=", "mean_entropy", "shadow/", "rollout_corr/abs_dlogp")
+
+
+def is_context_key(key: str) -> bool:
+    return key in CONTEXT_KEYS or key.startswith(CONTEXT_PREFIXES)
 _WARNED: set[str] = set()
 
 
@@ -101,7 +110,7 @@ def split_kwargs(spec: LossSpec, kwargs: dict[str, Any], extra_keys: frozenset[s
     names = set(config_field_names(spec.config_cls))
     valid = names | extra_keys | CONTEXT_KEYS
     for key in kwargs:
-        if key not in valid:
+        if key not in valid and not is_context_key(key):
             raise ValueError(
                 f"unknown key {key!r} for loss {spec.name!r} (closest valid: {closest(key, valid)!r})"
             )
@@ -112,7 +121,7 @@ def split_kwargs(spec: LossSpec, kwargs: dict[str, Any], extra_keys: frozenset[s
     _is_cap_alias(spec.config_cls, kwargs, cfg_kwargs)
     cfg = spec.config_cls(**cfg_kwargs)
     extras = {k: v for k, v in kwargs.items() if k in extra_keys}
-    context = {k: v for k, v in kwargs.items() if k in CONTEXT_KEYS}
+    context = {k: v for k, v in kwargs.items() if is_context_key(k)}
     return cfg, extras, context
 
 

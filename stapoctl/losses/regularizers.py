@@ -14,7 +14,7 @@ from typing import Any, Optional
 from torch import Tensor
 
 from .batch import PolicyBatch
-from .kl import kl_estimate
+from .kl import DEFAULT_K3_CLAMP, kl_estimate
 from .surrogate import aggregate, normaliser
 
 
@@ -63,7 +63,8 @@ def regularizer_loss(batch: PolicyBatch, cfg: Any) -> Optional[Tensor]:
         if ref is None:
             raise ValueError(f"loss {cfg.name!r} with kl_coef > 0 needs the keyword argument ref_log_prob=... "
                              "(the reference policy's log-probs)")
-        kl = agg(kl_estimate(batch.lp, ref, cfg.kl_estimator))
+        clamp = float(getattr(cfg, "kl_clamp", DEFAULT_K3_CLAMP) or 0.0)
+        kl = agg(kl_estimate(batch.lp, ref, cfg.kl_estimator, clamp=clamp))
         batch.metric_terms["actor/kl_loss"] = kl.detach()
         total = cfg.kl_coef * kl
     if ent_on:

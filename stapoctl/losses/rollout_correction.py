@@ -4,11 +4,12 @@ starts from, so each token's surrogate gets a detached weight built from r = π_
 
     token_tis   w_t = min(r_t, C)                               (truncated IS, verl rollout_is=token)
     seq_tis     w_t = min(Π_t r_t, C) on every token of the row  (verl rollout_is=sequence)
-    token_mask  w_t = 1 if r_t ∈ [1/C, C] else 0                 (IcePop)
+    token_mask  w_t = 1 if r_t ∈ [1/C, C] else 0                 (verl rollout_rs=token_k1's kept set)
     seq_mask    w_t = 1 if exp(mean_t log r_t) ∈ [1/C, C] else 0 (geometric mean of the row)
 
 ``auto`` is token_tis whenever behavior_log_prob is given (the learner passes it only for
-stale asynchronous batches); ``off`` applies nothing but still measures. Rows are whole
+stale asynchronous batches); ``off`` applies nothing but still measures. token_mask is not IcePop
+(IcePop keeps r_t as the weight inside the band). Rows are whole
 sequences in every micro-batch, so the sequence modes need no mini-batch context.
 """
 

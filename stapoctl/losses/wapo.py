@@ -20,7 +20,7 @@ from stapoctl.config.losses import WAPOConfig
 from .advantages import group_index
 from .batch import PolicyBatch
 from .diagnostics import standard_metrics
-from .pg import surrogate_of
+from .pg import apply_rules, surrogate_of
 from .registry import register_loss
 
 
@@ -55,6 +55,9 @@ def wapo_loss(batch: PolicyBatch, cfg: WAPOConfig):
     adv_pos = batch.adv.clamp(min=0.0)
     sur = surrogate_of(batch, cfg, advantages=adv_pos)
     keep = batch.mask & (adv_pos > 0) & (row_w[:, None] > 0)
-    terms = torch.where(keep, sur.objective * row_w[:, None], 0.0)
+    outcome, _, metrics = apply_rules(batch, cfg)  # token_rules: WAPO has no denominator, so renorm is moot
+    objective = sur.objective if outcome is None else outcome.scaled(sur.objective)
+    keep = keep if outcome is None else keep & outcome.keep
+    terms = torch.where(keep, objective * row_w[:, None], 0.0)
     loss = -terms.sum()
-    return loss, standard_metrics(batch, cfg, sur, loss, keep=keep)
+    return loss, standard_metrics(batch, cfg, sur, loss, keep=keep, extra=metrics or None)

@@ -131,8 +131,14 @@ def learner_memory(shape: dict, *, zero_stage: int, num_ranks: int, dtype: str, 
     if not on_gpu and seq_len:
         parts["attention_scores"] = cpu_attention_scores(shape, micro_tokens, seq_len, d,
                                                          gradient_checkpointing) / GIB
-    parts["total"] = sum(v for k, v in parts.items() if k != "activations_if_checkpointing_flipped")
+    # a weight push under ZeRO-3 gathers one parameter at a time (sync/source.py): at most the
+    # largest, between steps, when no activation is held, so it is not part of the step's total
+    parts["weight_push_gather"] = (_largest_layer(shape) * d if zero_stage == 3 else 0) / GIB
+    parts["total"] = sum(v for k, v in parts.items() if k not in NOT_IN_TOTAL)
     return parts
+
+
+NOT_IN_TOTAL = ("activations_if_checkpointing_flipped", "weight_push_gather")
 
 
 def cpu_attention_scores(shape: dict, micro_tokens: int, seq_len: int, d: int, checkpointing: bool) -> float:

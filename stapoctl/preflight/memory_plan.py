@@ -12,6 +12,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
+from stapoctl.config.engines import rollout_eager, rollout_utilization
 from stapoctl.config.shapes import decoder_params, max_model_len
 from stapoctl.errors import UserError
 from stapoctl.preflight import memory as M
@@ -146,8 +147,9 @@ def _rollout(conf: DictConfig, shape: dict, device_gib: Optional[float]) -> Role
     on_gpu = float(r.gpus_per_worker or 0) > 0
     tp = int(r.tensor_parallel_size)
     parts = M.rollout_memory(shape, dtype=conf.model.dtype, tp=tp, device_gib=device_gib if on_gpu else None,
-                             utilization=float(r.gpu_memory_utilization), kv_cache_gb=float(r.kv_cache_gb),
-                             max_model_len=max_model_len(conf, shape), enforce_eager=bool(r.enforce_eager))
+                             utilization=rollout_utilization(r, colocated=conf.learner.placement == "colocated"),
+                             kv_cache_gb=float(r.kv_cache_gb), max_model_len=max_model_len(conf, shape),
+                             enforce_eager=rollout_eager(r, on_gpu))
     kv = {k: parts.pop(k) for k in ("kv_tokens", "kv_sequences")}
     total = parts.pop("total")
     return RoleMemory("rollout", "GPU" if on_gpu else "CPU", total, parts, int(r.num_workers) * (tp if on_gpu else 1),
@@ -244,7 +246,8 @@ def _problems(conf: DictConfig, plan: Plan, shape: dict, *, here: bool) -> list[
     if rollout.device == "GPU" and (rollout.kv_sequences or 0) < 1:
         out.append(f"the rollout's KV cache holds {rollout.kv_tokens or 0:,.0f} tokens, less than one sequence of "
                    f"{max_model_len(conf, shape):,} (vLLM would not start): raise rollout.gpu_memory_utilization "
-                   f"(now {conf.rollout.gpu_memory_utilization:g}) or rollout.tensor_parallel_size, or shorten "
+                   f"(now {rollout_utilization(conf.rollout, conf.learner.placement == 'colocated'):g}) or "
+                   "rollout.tensor_parallel_size, or shorten "
                    "rollout/eval.max_response_length")
     colocated = plan.role("colocated")
     if colocated is not None and gpu is not None and colocated.per_device_gib > gpu:

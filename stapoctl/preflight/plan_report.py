@@ -8,6 +8,8 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from stapoctl.config.engines import rollout_utilization
+from stapoctl.preflight.memory import NOT_IN_TOTAL
 from stapoctl.preflight.memory_plan import Plan, PlanRefused, build_plan
 
 PART_NAMES = {
@@ -52,7 +54,8 @@ def _what(conf: DictConfig, role) -> str:
                 f"checkpointing {ckpt} (activations {other:,.1f} GiB if {'off' if ckpt == 'on' else 'on'})")
     if role.role == "rollout":
         r = conf.rollout
-        budget = (f"gpu_memory_utilization={r.gpu_memory_utilization:g}" if role.device == "GPU"
+        utilization = rollout_utilization(r, conf.learner.placement == "colocated")
+        budget = (f"gpu_memory_utilization={utilization:g}" if role.device == "GPU"
                   else f"rollout.kv_cache_gb={r.kv_cache_gb:g}")
         return (f"TP={r.tensor_parallel_size}, {budget}: KV {role.kv_tokens or 0:,.0f} tokens = "
                 f"{role.kv_sequences or 0:,.1f} sequences at max length")
@@ -73,7 +76,10 @@ def plan_table(conf: DictConfig, plan: Plan) -> Table:
         if role.role == "reference":
             continue  # one of the learner's parts
         for k, v in role.parts.items():
-            if k != "activations_if_checkpointing_flipped":
+            if k == "weight_push_gather" and v > 0:  # between steps: beside the total, not in it
+                table.add_row(ROLE_NAMES[role.role], "weight push: one gathered parameter (between steps, "
+                              "not in the total)", _gib(v))
+            elif k not in NOT_IN_TOTAL:
                 table.add_row(ROLE_NAMES[role.role], PART_NAMES.get(k, k), _gib(v))
         where = f"{role.count} × {role.device}" if role.device == "GPU" else f"{role.count} process(es)"
         table.add_row(f"[bold]{ROLE_NAMES[role.role]}[/]", f"[bold]total[/] ({where})",

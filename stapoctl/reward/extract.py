@@ -11,6 +11,10 @@ import re
 # \boxed{..}, \fbox{..}, and the brace-less "\boxed 5" form; \boxed must not be a prefix of a
 # longer command (\boxedx is not a box).
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+# what an evaluation protocol records of the extraction (eval/protocol.py): bump the version
+# whenever a response could extract differently, so numbers before and after never share a table
+EXTRACTION = {"rule": "content of the last \\boxed{} or \\fbox{} (brace-less \\boxed 5 too), no fallback",
+              "version": 1}
 
 
 def _balanced(text: str, start: int) -> str | None:

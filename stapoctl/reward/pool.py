@@ -24,10 +24,15 @@ class Verdict:
     error: bool = False  # the check crashed its verifier process or raised: scored incorrect
 
 
+# what an evaluation protocol records of the verifier (eval/protocol.py): bump the version whenever
+# a verdict could change (normalization, equivalence rules), so tables never mix the two
+VERIFIER = {"name": "dapo_rule_verifier", "version": 1}
+
+
 class RewardPool:
     """Scores responses against references with the DAPO rule (and the model verifier if set)."""
 
-    name = "dapo_rule_verifier"  # logged by the trainer as the reward scorer
+    name = VERIFIER["name"]  # logged by the trainer as the reward scorer
 
     def __init__(self, reward_cfg, model_verifier: Any = None):
         self.correct = float(reward_cfg.correct)

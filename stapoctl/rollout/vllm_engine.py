@@ -56,19 +56,54 @@ class EngineSpec:
     enforce_eager: bool = True
     worker_extension_cls: str | None = None
     num_threads: int = 0  # CPU: intra-op threads of the in-process engine (0 = torch's default)
-    # GPU only: vLLM's weight-transfer backend ("nccl" | "ipc"); None = no trainer link
+    # vLLM's weight-transfer backend of a linked transport ("stapo_gloo" | "nccl" | "ipc", from
+    # sync.transports); None = no trainer link (the object store, or evaluation)
     weight_transfer_backend: str | None = None
+    colocated: bool = False  # GPU: the actor shares its GPU(s) with learner ranks
+    kv_cache_bytes: int = 0  # GPU, colocated: the KV cache the memory plan leaves (0 = by utilisation)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def make_llm(spec: EngineSpec):
-    """A vLLM `LLM`; in-process single worker on CPU, normal executor on GPU."""
+    """A vLLM `LLM` with `engine_kwargs`'s settings."""
     from stapoctl.launch.import_gc import paused_gc
 
     configure_env()
     with paused_gc("vllm.entrypoints.llm"):  # the import is most of the engine's start-up on CPU
         from vllm import LLM
 
+    kwargs = engine_kwargs(spec, cuda_available())
+    if spec.weight_transfer_backend:
+        from stapoctl.sync.worker_extension import register_transports
+
+        register_transports()
+    try:
+        return LLM(**kwargs)
+    except ValueError as exc:
+        # vLLM's two messages for a cache that cannot hold one sequence; not its other KV errors
+        if cuda_available() or not ("cache blocks" in str(exc) or "available KV cache memory" in str(exc)):
+            raise
+        from stapoctl.errors import UserError
+
+        raise UserError(
+            f"rollout.kv_cache_gb={float(spec.kv_cache_gb):g} GiB cannot hold one sequence of max_model_len "
+            f"{spec.max_model_len} for this model: raise it, e.g. rollout.kv_cache_gb=1"
+        ) from None
+
+
+def executor_backend(spec: EngineSpec, on_gpu: bool) -> str:
+    """One process per engine ("uni") at TP 1. At TP > 1 vLLM's multiprocess executor ("mp"), whose
+    workers use the GPUs (or CPU cores) the actor holds on its node: inside a placement group vLLM
+    would otherwise pick its Ray executor, which refuses a bundle of more than one GPU. Colocated
+    TP > 1 spans several one-GPU bundles: there vLLM's Ray executor places a worker in each
+    (`VLLM_RAY_BUNDLE_INDICES`, `launch.placement.rollout_bundle_env`)."""
+    if int(spec.tensor_parallel_size) <= 1:
+        return "uni"
+    return "ray" if (on_gpu and spec.colocated) else "mp"
+
+
+def engine_kwargs(spec: EngineSpec, on_gpu: bool) -> dict[str, Any]:
+    """The `LLM` keyword arguments: decisions kept apart from the engine so tests check them on CPU."""
     kwargs: dict[str, Any] = dict(
         model=spec.model_path,
         tokenizer=spec.model_path,
@@ -83,12 +118,15 @@ def make_llm(spec: EngineSpec):
         # computed with.
         enable_prefix_caching=True,
     )
-    if cuda_available():
-        kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
-        if spec.weight_transfer_backend:
-            kwargs["weight_transfer_config"] = {"backend": spec.weight_transfer_backend}
+    kwargs["distributed_executor_backend"] = executor_backend(spec, on_gpu)
+    if spec.weight_transfer_backend:
+        kwargs["weight_transfer_config"] = {"backend": spec.weight_transfer_backend}
+    if on_gpu:
+        if spec.colocated and spec.kv_cache_bytes > 0:
+            kwargs["kv_cache_memory_bytes"] = int(spec.kv_cache_bytes)  # the plan's, not a share of free memory
+        else:
+            kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
     else:
-        kwargs["distributed_executor_backend"] = "uni"
         # sized by the run, not vLLM-CPU's integer-GiB VLLM_CPU_KVCACHE_SPACE (which, when set in
         # the environment, still wins): a tiny model's rollout needs a few MiB, and 1 GiB took
         # 0.3 s to allocate and zero at every engine start
@@ -107,18 +145,7 @@ def make_llm(spec: EngineSpec):
     if spec.worker_extension_cls:
         kwargs["worker_extension_cls"] = spec.worker_extension_cls
     kwargs.update(spec.extra)
-    try:
-        return LLM(**kwargs)
-    except ValueError as exc:
-        # vLLM's two messages for a cache that cannot hold one sequence; not its other KV errors
-        if cuda_available() or not ("cache blocks" in str(exc) or "available KV cache memory" in str(exc)):
-            raise
-        from stapoctl.errors import UserError
-
-        raise UserError(
-            f"rollout.kv_cache_gb={float(spec.kv_cache_gb):g} GiB cannot hold one sequence of max_model_len "
-            f"{spec.max_model_len} for this model: raise it, e.g. rollout.kv_cache_gb=1"
-        ) from None
+    return kwargs
 
 
 def prompt_seed(*parts: Any) -> int:

@@ -159,43 +159,56 @@ class RolloutWorker:
 
     # -- weight sync --------------------------------------------------------------------
     def update_weights(self, named_tensors: Any) -> dict[str, float]:
-        """Load the learner's weights in place, then drop cached KV computed with the old ones.
+        """The object-store transport: load the learner's weights in place, then drop cached KV
+        computed with the old ones. `named_tensors`: a dict or iterable of (name, tensor) or of
+        (name, raw bytes, dtype, shape), read in place from Ray's object store."""
+        from stapoctl.sync.worker_extension import pack_for_rpc, unpack
 
-        `named_tensors`: a dict or iterable of (name, tensor) (the CPU path, through Ray's
-        object store), or a vLLM `WeightTransferUpdateRequest` (the GPU path: the tensors
-        arrive by NCCL/CUDA IPC inside `update_weights` of vLLM's weight-transfer engine).
-        """
         t0 = time.perf_counter()
-        if type(named_tensors).__name__ == "WeightTransferUpdateRequest":
-            self.llm.collective_rpc("update_weights", kwargs={"update_info": named_tensors.update_info})
-            count = -1
-        else:
-            from stapoctl.sync.worker_extension import unpack
-
-            items: Iterable = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-            payload = [unpack(item) for item in items]
-            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
-                from stapoctl.sync.worker_extension import pack_for_rpc
-
-                payload = pack_for_rpc(payload)  # the engine core is another process
-            count = self.llm.collective_rpc("stapo_load_weights", args=(payload,))[0]
-            self._after_update()
+        items: Iterable = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        payload = [unpack(item) for item in items]
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0" or self.spec.tensor_parallel_size > 1:
+            payload = pack_for_rpc(payload)  # the engine core or its workers are other processes
+        count = self.llm.collective_rpc("stapo_load_weights", args=(payload,))[0]
+        self._after_update()
         return {"sync_load_s": time.perf_counter() - t0, "tensors": float(count)}
+
+    def receive_weights(self, update_info: dict) -> dict[str, float]:
+        """A linked transport's whole update in one actor call: vLLM's start (the layerwise reload
+        begins: the model is half-loaded until finish), the receive (every worker process joins
+        the learner's broadcast), finish. As one call it cannot be interleaved with a rollout."""
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("start_weight_update")
+        delay = float(os.environ.get("STAPOCTL_TEST_SYNC_DELAY_S") or 0)
+        if delay > 0:
+            time.sleep(delay)
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+        self.llm.collective_rpc("finish_weight_update")
+        self._after_update()
+        return {"sync_load_s": time.perf_counter() - t0, "tensors": float(len(update_info.get("names", [])))}
 
     def _after_update(self) -> None:
         self.llm.reset_prefix_cache()
         self.weight_version += 1
         self.needs_weights = False
 
+    def transfer_ranks(self) -> list[int]:
+        """Each of this engine's worker processes' rank in the linked transport's group."""
+        return [int(r) for r in self.llm.collective_rpc("stapo_transfer_rank")]
+
     def weight_checksum(self) -> float:
         return float(self.llm.collective_rpc("stapo_weight_checksum")[0])
 
-    # GPU weight transfer (vLLM's RayVLLMWeightSyncClient drives these four; untested here).
-    def init_weight_transfer_engine(self, request: Any) -> None:
-        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": request.init_info})
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Join a linked transport's group (this actor's rank offset is in `init_info`)."""
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
+    # CUDA IPC (untested here): the learner drives these itself, in a push the driver waits for.
     def start_weight_update(self) -> None:
         self.llm.collective_rpc("start_weight_update")
+
+    def update_weight_chunk(self, update_info: Any) -> None:
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     def finish_weight_update(self) -> None:
         self.llm.collective_rpc("finish_weight_update")
@@ -247,13 +260,20 @@ def _was_restarted() -> bool:
     return bool(ctx is not None and ctx.was_current_actor_reconstructed)
 
 
-def rollout_env(spec: EngineSpec, on_gpu: bool = False) -> dict[str, str]:
+def rollout_env(spec: EngineSpec, on_gpu: bool = False, cores: Optional[Sequence[int]] = None) -> dict[str, str]:
     """Per-actor environment: vLLM in-process on CPU (4 s start, tensors passed directly).
 
     `on_gpu`: the actor is given GPUs. That, not the driver's own torch.cuda, decides: the actor
     may run on another node, and asking torch here cost the driver ~1 s of `import torch`
-    between `ray.init` and the actors' creation."""
+    between `ray.init` and the actors' creation. On a GPU the CUDA IPC transport's handles must
+    cross vLLM's msgpack hop from `LLM` to its workers, which needs insecure serialisation (as
+    vLLM's own examples/rl/rlhf_ipc.py sets it). `cores`: the CPU cores vLLM-CPU's tensor-parallel
+    workers split (default: this process's)."""
     extra = {"VLLM_LOGGING_LEVEL": "WARNING"}
+    if on_gpu and spec.weight_transfer_backend == "ipc":
+        extra["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if not on_gpu and int(spec.tensor_parallel_size) > 1:
+        extra["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(int(spec.tensor_parallel_size), cores)
     if not on_gpu:
         extra["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if spec.enforce_eager:
@@ -267,6 +287,24 @@ def rollout_env(spec: EngineSpec, on_gpu: bool = False) -> dict[str, str]:
     return actor_env(extra)
 
 
+def cpu_thread_binding(tp_size: int, cores: Optional[Sequence[int]] = None) -> str:
+    """vLLM-CPU's `VLLM_CPU_OMP_THREADS_BIND` for TP ranks: the cores split into tp_size contiguous
+    groups ("0|1" on 2 cores). Without it vLLM-CPU refuses TP > 1 on one NUMA node ("Not enough
+    allowed NUMA nodes"). A value set in the environment wins."""
+    from stapoctl.errors import UserError
+
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    per = len(cores) // tp_size
+    if per < 1:
+        raise UserError(f"rollout.tensor_parallel_size={tp_size} needs a CPU core per tensor-parallel rank and "
+                        f"this machine has {len(cores)}: lower rollout.tensor_parallel_size to {len(cores)} or less")
+    groups = [cores[k * per:(k + 1) * per] for k in range(tp_size)]
+    return "|".join(f"{g[0]}-{g[-1]}" if g == list(range(g[0], g[-1] + 1)) and len(g) > 1 else ",".join(map(str, g))
+                    for g in groups)
+
+
 def make_rollout_worker(
     engine_spec: EngineSpec,
     num_cpus: float = 1.0,
@@ -276,6 +314,7 @@ def make_rollout_worker(
     name: Optional[str] = None,
     synced: bool = False,
     max_restarts: int = 0,
+    env_extra: Optional[dict[str, str]] = None,
 ):
     """Start a RolloutWorker actor with these resources; returns its handle (engine still loading).
 
@@ -286,10 +325,12 @@ def make_rollout_worker(
     """
     import ray
 
+    env = rollout_env(engine_spec, on_gpu=float(num_gpus or 0) > 0)
+    env.update(env_extra or {})
     opts: dict[str, Any] = dict(
         num_cpus=num_cpus,
         num_gpus=num_gpus,
-        runtime_env={"env_vars": rollout_env(engine_spec, on_gpu=float(num_gpus or 0) > 0)},
+        runtime_env={"env_vars": env},
         max_concurrency=1,
         max_restarts=int(max_restarts),
         max_task_retries=0,

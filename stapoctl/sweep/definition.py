@@ -32,7 +32,7 @@ from stapoctl.errors import UserError
 FILE_FIELDS = ("experiment", "key", "values", "seeds", "overrides", "description")
 VALUE_FIELDS = ("value", "set")  # a value entry with overrides of its own: {value: NAME, set: [k=v, …]}
 # key=value words of the command line that belong to the sweep, not to Hydra
-OPTIONS = ("values", "seeds", "resume", "force", "max_parallel")
+OPTIONS = ("values", "seeds", "resume", "force", "max_parallel", "confirm", "max_seeds", "delta")
 # what the sweep itself sets in every trial: the command line may not set them too
 SEED_KEY = "trainer.seed"
 OWNED_KEYS = (SEED_KEY, "tracking.parent_run_id", "tracking.run_name", "tracking.tags", "resume")
@@ -101,6 +101,11 @@ class SweepCommand:
     # trials running at once (None: the backend's default — 1 here, all on a Ray job server, the
     # preset's cluster.array_parallelism on SLURM); where they run, not what they compute
     max_parallel: Optional[int] = None
+    # a confirmatory sweep (sweep/confirm.py): the pilot sweep sizing it, the most seeds a row may
+    # take, and the difference (table units) powered for instead of the pilot's observed one
+    confirm: Optional[str] = None
+    max_seeds: Optional[int] = None
+    delta: Optional[float] = None
 
 
 def load_definition(name: str) -> SweepDefinition:
@@ -115,46 +120,81 @@ def load_definition(name: str) -> SweepDefinition:
 
 
 def parse_command(name: str, args: list[str]) -> SweepCommand:
-    """`values=[…]`, `seeds=[…]`, `resume=ID`, `force=true`, `max_parallel=K` are the sweep's;
-    `experiment=` replaces the file's experiment; every other word is a Hydra override applied to
-    every trial."""
+    """`values=[…]`, `seeds=[…]`, `resume=ID`, `force=true`, `max_parallel=K`, `confirm=PILOT`,
+    `max_seeds=N`, `delta=D` are the sweep's; `experiment=` replaces the file's experiment; every
+    other word is a Hydra override applied to every trial."""
     definition = load_definition(name)
     given: set[str] = set()
-    resume: Optional[str] = None
-    force = False
-    max_parallel: Optional[int] = None
+    opts: dict[str, Any] = {}
     cli: list[str] = []
     for item in args:
         key, sep, value = item.partition("=")
         if not sep:
             raise UserError(f"argument '{item}' has no '=': write key=value, e.g. values=[2e-3,2e-2] or loss.lr=1e-6")
-        bare = key.lstrip("+~")
         if key == "values":
             definition = definition.with_values(_values(value, "values"))
         elif key == "seeds":
             definition = replace(definition, seeds=_seeds(value, "seeds"))
-        elif key == "resume":
-            resume = value.strip() or None
-            if resume is None:
-                raise UserError("resume= needs the sweep id (the parent run id, or a unique prefix of it)")
-            continue
-        elif key == "force":
-            force = _bool(value, "force")
-            continue
-        elif key == "max_parallel":
-            max_parallel = _positive_int(value, "max_parallel")
-            continue
         elif key == "experiment":
             definition = replace(definition, experiment=value)
+        elif key in _COMMAND_OPTIONS:
+            opts[key] = _COMMAND_OPTIONS[key](value, key)
+            continue
         else:
-            _check_override(bare, definition)
+            _check_override(key.lstrip("+~"), definition)
             cli.append(item)
             given.add("overrides")
             continue
         given.add(key)
     if cli:
         definition = replace(definition, overrides=definition.overrides + tuple(cli))
-    return SweepCommand(definition, resume, force, frozenset(given), tuple(cli), max_parallel)
+    command = SweepCommand(definition, given=frozenset(given), cli_overrides=tuple(cli), **opts)
+    _check_confirm(command)
+    return command
+
+
+def _check_confirm(command: SweepCommand) -> None:
+    """confirm= sizes its own fresh seeds and is a new sweep; max_seeds= / delta= belong to it."""
+    if command.confirm is None:
+        extra = [k for k in ("max_seeds", "delta") if getattr(command, k) is not None]
+        if extra:
+            raise UserError(f"{extra[0]}= sizes a confirmatory sweep: give confirm=PILOT_SWEEP_ID too "
+                            f"(e.g. confirm=1a2b3c4d {extra[0]}=…)")
+        return
+    if command.resume:
+        raise UserError("confirm= and resume= together: a resume runs the recorded (already sized) sweep; "
+                        "drop confirm=")
+    if "seeds" in command.given:
+        raise UserError("seeds= and confirm= together: a confirmatory sweep sizes its own seeds (fresh ones, "
+                        "never the pilot's); drop seeds= (max_seeds=N caps them)")
+
+
+def _sweep_id(value: str, what: str) -> str:
+    spec = value.strip()
+    if not spec:
+        raise UserError(f"{what}= needs the sweep id (the parent run id, or a unique prefix of it)")
+    return spec
+
+
+def _positive_float(value: str, what: str) -> float:
+    try:
+        number = float(value.strip())
+    except ValueError:
+        number = 0.0
+    if not number > 0 or number == float("inf"):
+        raise UserError(f"{what}={value}: give the difference to power for in table units (points for "
+                        f"accuracy), a number > 0 (e.g. {what}=3)")
+    return number
+
+
+def _at_least_two(value: str, what: str) -> int:
+    try:
+        number = int(value.strip())
+    except ValueError:
+        number = 0
+    if number < 2:
+        raise UserError(f"{what}={value}: a row needs at least 2 seeds to have a spread (e.g. {what}=12)")
+    return number
 
 
 def override_key(item: str) -> str:
@@ -307,3 +347,8 @@ def _bool(value: str, what: str) -> bool:
     if v in ("false", "0", "no"):
         return False
     raise UserError(f"{what}={value}: use true or false")
+
+
+# the command-line words that set a SweepCommand field: word → its parser
+_COMMAND_OPTIONS = {"resume": _sweep_id, "force": _bool, "max_parallel": _positive_int, "confirm": _sweep_id,
+                    "max_seeds": _at_least_two, "delta": _positive_float}

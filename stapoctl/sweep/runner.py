@@ -16,13 +16,13 @@ parallelism (`cluster.array_parallelism`).
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from rich.console import Console
 from rich.table import Table
 
 from stapoctl.errors import RunStopped, UserError
-from stapoctl.sweep import layout, store
+from stapoctl.sweep import confirm, layout, store
 from stapoctl.sweep.definition import SweepCommand, SweepDefinition, override_key, parse_command
 from stapoctl.sweep.outcome import (Outcome, attempt_run, final_val, finish, pct, record_failure,
                                     resume_point)
@@ -39,13 +39,7 @@ def sweep_command(name: str, args: list[str], console: Console, dry_run: bool = 
 
 
 def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False) -> int:
-    definition, extra = command.definition, ()
-    parent = None
-    if command.resume:
-        base = compose_trial(plan_trials(definition, "")[0])
-        uri, experiment = base.tracking.uri, str(base.tracking.experiment)
-        parent = store.find_parent(command.resume, uri, experiment)
-        definition, extra = reconcile(command, store.recorded_definition(parent, uri))
+    definition, extra, parent, confirmation = _design(command, console, dry_run)
     confs = check_plan(definition, extra)
     first = next(iter(confs.values()))
     uri, experiment = first.tracking.uri, str(first.tracking.experiment)
@@ -63,7 +57,9 @@ def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False) ->
         sweep_id = parent.info.run_id
         store.claim(sweep_id, uri)
     else:
-        sweep_id = store.open_parent(definition, uri, experiment)
+        sweep_id = store.open_parent(definition, uri, experiment, confirmation.tags if confirmation else None)
+        if confirmation is not None:
+            confirm.record(sweep_id, uri, confirmation)
     trials = plan_trials(definition, sweep_id, extra)
     records = store.trial_records(sweep_id, len(trials), uri)
     todo = [t for t in trials if not records[t.index].finished]
@@ -83,6 +79,29 @@ def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False) ->
         slots = slots[:len(todo)]
         return run_parallel(sweep, todo, launchers.LocalTrials(slots, launchers.log_dir(sweep_id)), len(slots))
     return _run_trials(definition, sweep_id, trials, todo, records, uri, experiment, console)
+
+
+def _design(command: SweepCommand, console: Console, dry_run: bool) -> tuple[SweepDefinition, tuple[str, ...],
+                                                                           Any, Optional[confirm.Confirmation]]:
+    """(definition, extra overrides, the parent a resume continues, a confirmation's design): the
+    command's own sweep, a resume's recorded one, or a pilot's design on fresh seeds (its sizing
+    printed on --dry-run; one line when it needs more than max_seeds)."""
+    definition, extra = command.definition, ()
+    if not (command.resume or command.confirm):
+        return definition, extra, None, None
+    base = compose_trial(plan_trials(definition, "")[0])
+    uri, experiment = base.tracking.uri, str(base.tracking.experiment)
+    if command.resume:
+        parent = store.find_parent(command.resume, uri, experiment)
+        definition, extra = reconcile(command, store.recorded_definition(parent, uri))
+        return definition, extra, parent, None
+    confirmation = confirm.design(command, uri, experiment)
+    if dry_run:
+        confirm.print_sizing(confirmation, console)
+    refusal = confirmation.sizing.refusal()
+    if refusal:
+        raise UserError(refusal)
+    return confirmation.definition, confirmation.extra, None, confirmation
 
 
 def _parallelism(command: SweepCommand, definition: SweepDefinition, extra: tuple[str, ...], conf) -> Optional[int]:

@@ -40,16 +40,17 @@ def one_line(exc: BaseException, limit: int = 500) -> str:
 
 
 # -- the parent run ----------------------------------------------------------------------------
-def open_parent(definition: SweepDefinition, uri: Optional[str] = None, experiment: str = "stapoctl") -> str:
-    """Create the sweep's parent run (RUNNING, claimed by this process); returns its run id,
-    which is also the sweep id every trial carries."""
+def open_parent(definition: SweepDefinition, uri: Optional[str] = None, experiment: str = "stapoctl",
+                tags: Optional[dict] = None) -> str:
+    """Create the sweep's parent run (RUNNING, claimed by this process) with `tags` besides its
+    own (a confirmatory sweep's); returns its run id, which is also the sweep id every trial carries."""
     from stapoctl.tracking.mlflow_run import setup
 
     setup(uri, experiment)  # creates the experiment (artifacts beside a sqlite store) if needed
     c = client(uri)
     exp = c.get_experiment_by_name(experiment)
     run = c.create_run(exp.experiment_id, run_name=f"sweep-{definition.name}",
-                       tags={layout.KIND: layout.KIND_SWEEP, layout.SWEEP_NAME: definition.name})
+                       tags={**(tags or {}), layout.KIND: layout.KIND_SWEEP, layout.SWEEP_NAME: definition.name})
     run_id = run.info.run_id
     c.set_tag(run_id, layout.SWEEP_ID, run_id)
     params = {
@@ -92,21 +93,21 @@ def end_parent(run_id: str, uri: Optional[str], status: str, error: Optional[str
     c.set_terminated(run_id, status=status)
 
 
-def find_parent(spec: str, uri: Optional[str], experiment: str) -> Any:
-    """The sweep's parent run from its id or a unique prefix of it."""
+def find_parent(spec: str, uri: Optional[str], experiment: str, what: str = "resume") -> Any:
+    """The sweep's parent run from its id or a unique prefix of it (`what`: the option naming it)."""
     c = client(uri)
     exp = c.get_experiment_by_name(experiment)
     if exp is None:
-        raise UserError(f"resume={spec}: no MLflow experiment '{experiment}' in {_uri(uri)}; set tracking.uri "
+        raise UserError(f"{what}={spec}: no MLflow experiment '{experiment}' in {_uri(uri)}; set tracking.uri "
                         "(or MLFLOW_TRACKING_URI) to the store the sweep was logged in")
     runs = c.search_runs([exp.experiment_id], filter_string=f"tags.`{layout.KIND}` = '{layout.KIND_SWEEP}'",
                          max_results=5000)
     hits = [r for r in runs if r.info.run_id.startswith(spec.lower())]
     if not hits:
-        raise UserError(f"resume={spec}: no sweep with that id in {_uri(uri)} (experiment '{experiment}'); "
+        raise UserError(f"{what}={spec}: no sweep with that id in {_uri(uri)} (experiment '{experiment}'); "
                         "`stapoctl runs` lists them (kind 'sweep')")
     if len(hits) > 1:
-        raise UserError(f"resume={spec}: {len(hits)} sweeps start with that prefix "
+        raise UserError(f"{what}={spec}: {len(hits)} sweeps start with that prefix "
                         f"({', '.join(r.info.run_id[:12] for r in hits[:4])}…): give more characters")
     return hits[0]
 

@@ -60,8 +60,13 @@ register_transport(Transport(
     "object_store", "CPU: rank 0's tensors put once into Ray's object store, read in place by every actor",
     push="object_store", relinks=True))
 register_transport(Transport(
+    "gloo", "CPU or GPU: byte buckets broadcast over torch.distributed gloo from the learner's rank 0 to every vLLM "
+    "worker process (stapoctl's vLLM engine `stapo_gloo`; the collective path CI runs)",
+    push="engine", vllm_backend="stapo_gloo", trainer="stapoctl.sync.trainer_engines:GlooTrainer"))
+register_transport(Transport(
     "nccl", "GPU, disaggregated: a broadcast from the learner's rank 0 to every vLLM worker (vLLM's NCCL engine)",
-    push="engine", needs_gpu=True, vllm_backend="nccl", trainer="stapoctl.sync.gpu_transfer:NCCLTrainer"))
+    push="engine", needs_gpu=True, vllm_backend="nccl", trainer="stapoctl.sync.trainer_engines:NCCLTrainer"))
 register_transport(Transport(
     "ipc", "GPU, colocated: CUDA IPC handles of the learner's tensors opened by vLLM on the same GPU",
-    push="engine", needs_gpu=True, vllm_backend="ipc", trainer="stapoctl.sync.gpu_transfer:IPCTrainer"))
+    push="engine_learner_driven", needs_gpu=True, vllm_backend="ipc",
+    trainer="stapoctl.sync.trainer_engines:IPCTrainer"))

@@ -61,6 +61,10 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=iter(items))
         return len(items)
 
+    def stapo_transfer_rank(self) -> int:
+        """This worker process's rank in a linked transport's group (-1: none)."""
+        return int(getattr(getattr(self, "weight_transfer_engine", None), "rank", -1))
+
     def stapo_weight_checksum(self) -> float:
         """Sum of every parameter, a cheap fingerprint tests use to see a sync landed."""
         import torch
@@ -68,3 +72,18 @@ class WeightSyncExtension:
         model = self.model_runner.get_model()
         with torch.no_grad():
             return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+
+
+def register_transports() -> None:
+    """stapoctl's vLLM weight-transfer engines (gloo), into this process's vLLM factory. vLLM imports
+    this module into every worker by name before it builds the worker's transfer engine; the
+    in-process engine of a CPU actor imported it earlier, so `make_llm` calls this too."""
+    import sys
+
+    if "vllm" in sys.modules:  # the learner imports this module (raw_views) and need not have vLLM
+        from stapoctl.sync.gloo_engine import register
+
+        register()
+
+
+register_transports()

@@ -11,10 +11,15 @@ A sweep is an MLflow parent run:
   full `train` run, so it carries every resolved config value as a param (`loss.name`,
   `loss.tau_p`, `trainer.seed`, …) and the per-step metrics below.
 
+A confirmatory sweep (`sweep NAME confirm=PILOT`) adds tags `stapoctl.sweep_role=confirmatory` and
+`stapoctl.confirms=<pilot sweep id>` and the artifact `confirm_sizing.json`.
+
 A trial's final accuracy per benchmark and decoding is, first found: its own `eval/…` metric,
 the newest eval run nested under it (`stapoctl eval --model <trial id>`), or its last step's
 `val/…` metric. Accuracy metrics are `<val|eval>/<bench>/<decoding>/avg_at_<k>` (MLflow
-refuses "@"); decodings are `train` (T=1.0, top-p 1.0) and `justrl` (T=0.7, top-p 0.9).
+refuses "@"); decodings are `train` (T=1.0, top-p 1.0) and `justrl` (T=0.7, top-p 0.9). Each
+eval run and each training run's validation carries the tag `stapoctl.eval_protocol` (the sha256
+of its evaluation protocol, the canonical JSON artifact `eval_protocol.json`: eval/protocol.py).
 """
 
 from __future__ import annotations
@@ -34,11 +39,21 @@ LOSS = "stapoctl.loss"
 RUN_DIR = "stapoctl.run_dir"
 TRAIN_RUN_ID = "stapoctl.train_run_id"  # an eval run: the training run whose model it scored
 ALARM_PREFIX = "stapoctl.alarm."  # stapoctl.alarm.<name> on a KILLED run: a run-health alarm stopped it
+# sha256 of the evaluation protocol (eval/protocol.py) of an eval run, or of a training run's last
+# validation; the canonical JSON itself is the artifact PROTOCOL_ARTIFACT (its sha256 is the tag)
+PROTOCOL = "stapoctl.eval_protocol"
+PROTOCOL_UNKNOWN = "unknown"  # what compare calls a run recorded before protocols were
+# a confirmatory sweep (`sweep NAME confirm=PILOT`): its role and the pilot sweep it confirms
+SWEEP_ROLE = "stapoctl.sweep_role"
+ROLE_CONFIRMATORY = "confirmatory"
+CONFIRMS = "stapoctl.confirms"
 
 # -- params and artifacts --------------------------------------------------------------------
 SWEEP_KEY = "sweep.key"
 SWEEP_DEFINITION = "sweep.yaml"
 LOSS_NAME = "loss.name"
+PROTOCOL_ARTIFACT = "eval_protocol.json"
+CONFIRM_SIZING = "confirm_sizing.json"  # a confirmatory sweep's seed sizing (sweep/confirm.py)
 COMPARE_DIR = "compare"  # `compare SWEEP_ID` logs its table and figures here on the parent
 DIAGNOSTICS_DIR = "diagnostics"  # diagnostics/step_NNNNNN/… on every training run
 

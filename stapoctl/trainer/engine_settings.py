@@ -75,3 +75,37 @@ def learner_args(conf: DictConfig, reference_path: Optional[str] = None) -> dict
         seed=int(conf.trainer.seed), max_response_length=int(r.max_response_length),
         reference_path=reference_path,
     )
+
+
+def engine_spec(conf: DictConfig, policy_path: str, method: str, on_gpu: bool):
+    """The rollout actors' `EngineSpec` for a run whose weights travel by transport `method`.
+
+    Colocated on a GPU, vLLM's KV cache is the memory plan's figure in bytes instead of a share of
+    the memory it finds free: the learner starts beside it, and vLLM's profiling assumes nothing
+    else allocates meanwhile (the driver also waits for vLLM before starting the learner)."""
+    from stapoctl.config.engines import rollout_eager, rollout_utilization
+    from stapoctl.rollout.vllm_engine import EngineSpec
+    from stapoctl.sync.transports import transport
+
+    r = conf.rollout
+    colocated = on_gpu and conf.learner.placement == "colocated"
+    kv_bytes = 0
+    if colocated:
+        from stapoctl.preflight.memory_plan import build_plan
+
+        rollout = build_plan(conf).role("rollout")
+        kv_bytes = int((rollout.kv_cache_gib or 0) * 2**30) if rollout is not None else 0
+    return EngineSpec(
+        model_path=policy_path,
+        seed=int(conf.trainer.seed),
+        max_model_len=max_model_len(conf, policy_path),
+        dtype=conf.model.dtype,
+        tensor_parallel_size=int(r.tensor_parallel_size),
+        gpu_memory_utilization=rollout_utilization(r, colocated),
+        kv_cache_gb=float(r.kv_cache_gb),
+        enforce_eager=rollout_eager(r, on_gpu),
+        weight_transfer_backend=transport(method).vllm_backend,
+        num_threads=thread_counts(conf)[0] if not on_gpu else 0,
+        colocated=colocated,
+        kv_cache_bytes=kv_bytes,
+    )

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from stapoctl.errors import UserError
 from stapoctl.launch.actor_errors import describe_actor_death, user_error_in
-from stapoctl.trainer.engine_settings import learner_args, max_model_len, thread_counts
+from stapoctl.trainer.engine_settings import learner_args, thread_counts
 
 
 @dataclass
@@ -249,7 +249,8 @@ class EngineLaunch:
         try:
             worker_info = ray.get([w.info.remote() for w in self.workers])
             learner_info = ray.get(self.setup_refs)
-            sync = WeightSync(self.learners, self.workers, self.method, vllm_world_size=int(r.tensor_parallel_size))
+            sync = WeightSync(self.learners, self.workers, self.method, tp_size=int(r.tensor_parallel_size),
+                              timeout_s=float(r.get("weight_sync_timeout_s") or 1800.0))
         except BaseException as exc:
             self.abort()
             cause = getattr(exc, "cause", None) or user_error_in(exc)
@@ -293,9 +294,9 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
     from stapoctl.launch.placement import make_placement, rollout_gpus
     from stapoctl.launch.ray_runtime import ensure_ray
     from stapoctl.learner.deepspeed_learner import make_learner_group
-    from stapoctl.rollout.vllm_engine import EngineSpec
     from stapoctl.rollout.vllm_worker import make_rollout_worker
-    from stapoctl.sync.transfer import choose_method
+    from stapoctl.sync.transports import choose_method
+    from stapoctl.trainer.engine_settings import engine_spec
 
     t0 = time.perf_counter()
     started_ray = ensure_ray(conf.cluster)
@@ -310,24 +311,16 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
     method = choose_method(r.weight_sync, on_gpu=on_gpu, placement=lrn.placement)
     say = (lambda msg: console.print(f"[yellow]{msg}[/]")) if console is not None else None
     placement = make_placement(r, lrn, timeout_s=float(conf.cluster.placement_timeout_s), on_wait=say)
-    spec = EngineSpec(
-        model_path=policy_path,
-        seed=int(conf.trainer.seed),
-        max_model_len=max_model_len(conf, policy_path),
-        dtype=conf.model.dtype,
-        tensor_parallel_size=int(r.tensor_parallel_size),
-        gpu_memory_utilization=float(r.gpu_memory_utilization),
-        kv_cache_gb=float(r.kv_cache_gb),
-        enforce_eager=bool(r.enforce_eager),
-        weight_transfer_backend=method if method in ("nccl", "ipc") else None,
-        num_threads=thread_counts(conf)[0] if not on_gpu else 0,
-    )
+    spec = engine_spec(conf, policy_path, method, on_gpu)
     workers: list = []
     try:
         for i in range(int(r.num_workers)):
             workers.append(make_rollout_worker(spec, num_cpus=float(r.cpus_per_worker), num_gpus=rollout_gpus(r),
                                                options=placement.rollout_options(i), synced=True,
-                                               max_restarts=int(r.get("max_restarts", 0) or 0)))
+                                               max_restarts=int(r.get("max_restarts", 0) or 0),
+                                               env_extra=placement.rollout_env(i)))
+        if spec.colocated:  # vLLM sizes its memory before the learner allocates beside it
+            ray.get([w.info.remote() for w in workers])
         learners, setup_refs = make_learner_group(policy_path, **learner_args(conf, reference_path),
                                                    placement=placement, wait=False)
     except BaseException:

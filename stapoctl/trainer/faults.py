@@ -19,17 +19,22 @@ from stapoctl.errors import RunFailed, RunStopped, UserError
 
 ERRORS_LOG = "errors.log"
 
-# an actor method → what the run was doing when it raised
+# an actor method → what the run was doing when it raised (any other *weight* / *transfer* method:
+# the weight sync; anything else is named as it is)
 _DOING = {
     "save": "writing the step-{step} checkpoint", "load": "loading the checkpoint to resume from",
     "train_step": "the step-{step} update", "compute_log_probs": "the step-{step} update",
-    "weights": "the weight sync after step {step}", "send_weights": "the weight sync after step {step}",
-    "update_weights": "the weight sync after step {step}", "init_weight_transfer": "the weight-sync set-up",
-    "init_weight_transfer_engine": "the weight-sync set-up", "start_weight_update": "the weight sync after step {step}",
-    "finish_weight_update": "the weight sync after step {step}",
-    "rollout": "the step-{step} rollouts", "generate": "generating (rollouts or validation) at step {step}",
-    "score_logprobs": "the step-{step} rollouts", "score_batch": "the step-{step} rollouts",
+    "rollout": "the step-{step} rollouts", "score_logprobs": "the step-{step} rollouts",
+    "score_batch": "the step-{step} rollouts", "generate": "generating (rollouts or validation) at step {step}",
 }
+
+
+def _doing(method: str, step: int) -> str:
+    if method in _DOING:
+        return _DOING[method].format(step=step)
+    if "weight" in method or "transfer" in method:
+        return f"the weight sync after step {step}"
+    return f"{method}() at step {step}"
 
 
 def resume_hint(run_dir: Path, run_id: str, uri: Any = None, fix: str = "fix that") -> str:
@@ -108,7 +113,7 @@ def _remote_failure(engines, exc: BaseException, run_id: str, run_dir: Path, uri
     err = remote_error(exc)
     if err is None:
         return None
-    doing = _DOING.get(err.method, f"{err.method}() at step {{step}}").format(step=step)
+    doing = _doing(err.method, step)
     kept = keep_stack(run_dir, step, f"{_actor_name(engines, err.actor_id)}, {err.method}()", err.stack)
     return (f"{doing} failed in {_actor_name(engines, err.actor_id)} ({err.cause}; its stack: {kept}): "
             f"the run is FAILED; {resume_hint(run_dir, run_id, uri)}")

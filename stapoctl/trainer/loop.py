@@ -66,6 +66,7 @@ class Loop:
     stop: Any = None  # GracefulStop: a signal ends the loop after the step in progress
     resumed_from: Optional[Path] = None  # this process's resume point: retention keeps it (`checkpoint.prune`)
     step: int = 0  # the step in progress, for a failure's one line
+    protocol: str = ""  # sha256 of the validations' protocol, once recorded by this process
 
     def run(self, start_step: int, console: Console) -> dict:
         """Steps start_step+1 … total: step, validate when due, log, checkpoint when due."""
@@ -179,7 +180,9 @@ class Loop:
         engines = self.runner.engines
         for attempt in range(3):
             try:
-                return _validate(self.conf, engines, self.runner.scorer, self.runner.data.val_sets, step)
+                out = _validate(self.conf, engines, self.runner.scorer, self.runner.data.val_sets, step)
+                self.protocol = self.protocol or _record_protocol(self.conf, self.runner.data.val_sets)
+                return out
             except Exception as exc:
                 if not is_rollout_loss(exc) or attempt == 2:
                     raise
@@ -218,6 +221,24 @@ def _validate(conf, engines, scorer, val_sets, step: int) -> dict:
         ))
     out["timing_s/val"] = time.perf_counter() - t0
     return out
+
+
+def _record_protocol(conf, val_sets) -> str:
+    """The validations' protocol (`eval/protocol.py`) as the run's artifact and tag, so `compare`
+    can tell its val/… accuracies from ones measured another way. A resumed run records it again:
+    the tag is the protocol of the run's last validation, the one compare reads."""
+    from stapoctl.data.benches import select_decodings
+    from stapoctl.eval import protocol
+    from stapoctl.tracking.metric_buffer import active
+
+    buffer = active()
+    if buffer is not None:
+        log_text = buffer.log_text
+    else:
+        import mlflow
+
+        log_text = mlflow.log_text
+    return protocol.record(protocol.build(conf, val_sets, select_decodings(conf.eval.decoding)), log_text, set_tags)
 
 
 def _log_samples(conf, batch, step: int) -> None:

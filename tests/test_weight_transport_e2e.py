@@ -1,0 +1,154 @@
+"""`stapoctl train rollout.weight_sync=gloo` end to end: the collective weight path (the code NCCL
+shares) with 2 rollout workers and with tensor parallel 2, in synchronous and asynchronous mode on
+one engine session each, a second trial on reused engines (a sweep's), and the object store on the
+same runs for comparison.
+
+What "agrees with the learner" means here: at every synchronous step the learner's measuring pass
+equals vLLM's log-probs of the rollout it trains on (`rollout/logprob_diff_max` < 1e-4, fp32; each
+worker's too), and after every run — asynchronous ones included — every worker (every TP rank
+computes part of each log-prob) scores fixed sequences as the learner does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+
+COMMON = ["trainer.total_steps=2", "trainer.save_freq=0", "eval.every_n_steps=0", "rollout.old_logprob_source=recompute",
+          "rollout.weight_sync_timeout_s=60"]
+GLOO = ["rollout.weight_sync=gloo"]
+ASYNC = ["trainer.mode=async"]
+TWO_WORKERS = ["rollout.num_workers=2", "rollout.cpus_per_worker=0.5", "learner.cpus=0.5"]
+TP2 = ["rollout.tensor_parallel_size=2"]
+
+
+def fixed_batch():
+    from stapoctl.rollout.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (k,), generator=g).tolist() for k in (6, 11)]
+    resps = [[torch.randint(3, 500, (k,), generator=g).tolist() for k in (5, 9)] for _ in prompts]
+    return RolloutBatch.from_token_lists(prompts, resps, [[[0.0] * len(r) for r in rs] for rs in resps],
+                                         [[False] * 2] * 2, [[""] * 2] * 2, pad_id=0)
+
+
+def engines_agree(engines) -> float:
+    """max |vLLM − learner| log-prob of fixed sequences over every rollout actor, now."""
+    import ray
+
+    batch = fixed_batch()
+    learner = ray.get([h.compute_log_probs.remote(batch) for h in engines.learners])[0]["log_prob"]
+    worst = 0.0
+    for scored in ray.get([w.score_batch.remote(batch) for w in engines.workers]):
+        worst = max(worst, float(torch.where(batch.response_mask, (scored - learner).abs(), 0.0).max()))
+    return worst
+
+
+def session_runs(t, base: list, runs: dict, after=None) -> dict:
+    """`runs` (name → overrides) in order on one EngineSession; per run its summary and, after it,
+    how far the engines are from the learner. `after(engines, conf)`: more checks on the same
+    engines once the runs are done (its result under "after")."""
+    from stapoctl.trainer.driver import train
+    from stapoctl.trainer.session import EngineSession
+
+    out: dict = {}
+    with EngineSession(t.console) as session:
+        for name, extra in runs.items():
+            summary = train(t.conf(base + extra), console=t.console, session=session)
+            out[name] = {"run_id": summary["run_id"], "after": engines_agree(session.engines),
+                         "method": session.engines.info["sync_method"]}
+        if after is not None:
+            out["after"] = after(session.engines, t.conf(base))
+    return out
+
+
+def object_store_on_the_same_engines(engines, conf) -> dict:
+    """The object store on the TP-2 engines the gloo runs used (`auto` picks it on CPU): it delivers
+    the learner's weights, and the same bits as a gloo push of the same weights."""
+    import ray
+
+    from stapoctl.sync.transfer import WeightSync
+    from stapoctl.trainer.engine_settings import learner_args
+
+    gloo = engines.sync
+    store = WeightSync(engines.learners, engines.workers, "object_store")
+
+    base = ray.get(engines.workers[0].info.remote())["model_path"]
+
+    def reset():
+        ray.get([h.reset.remote(base, **learner_args(conf)) for h in engines.learners])
+
+    reset()
+    store.push()
+    by_store = engines_agree(engines), scores(engines)
+    ray.get([h.perturb_weights.remote(0.05, seed=5) for h in engines.learners])
+    gloo.push()  # vLLM on other weights, so that the next push must really land
+    reset()
+    gloo.push()
+    return {"store_diff": by_store[0], "same_bits": all(torch.equal(a, b) for a, b in zip(by_store[1], scores(engines)))}
+
+
+def scores(engines) -> list:
+    import ray
+
+    batch = fixed_batch()
+    return [torch.where(batch.response_mask, s, 0.0) for s in ray.get([w.score_batch.remote(batch) for w in engines.workers])]
+
+
+@pytest.fixture(scope="module")
+def runs(training_store):
+    with training_store("weight_transport_store", COMMON) as t:
+        two = session_runs(t, GLOO + TWO_WORKERS, {"sync": [], "async": ASYNC, "trial2": []})
+        tp2 = session_runs(t, GLOO + TP2, {"sync": [], "async": ASYNC}, after=object_store_on_the_same_engines)
+        store = session_runs(t, TWO_WORKERS, {"sync": []})
+    return {"two": two, "tp2": tp2, "store": store, "uri": t.uri}
+
+
+def history(uri: str, run_id: str, key: str) -> dict[int, float]:
+    import mlflow
+
+    return {m.step: m.value for m in mlflow.MlflowClient(uri).get_metric_history(run_id, key)}
+
+
+@pytest.mark.parametrize("layout", ["two", "tp2"])
+def test_gloo_runs_agree_with_the_learner_in_sync_and_async_mode(runs, layout):
+    import mlflow
+
+    client = mlflow.MlflowClient(runs["uri"])
+    for mode in ("sync", "async"):
+        run = runs[layout][mode]
+        assert run["method"] == "gloo"
+        assert client.get_run(run["run_id"]).info.status == "FINISHED"
+        assert run["after"] < 1e-4, (layout, mode, run["after"])
+    diffs = history(runs["uri"], runs[layout]["sync"]["run_id"], "rollout/logprob_diff_max")
+    assert sorted(diffs) == [1, 2] and max(diffs.values()) < 1e-4, diffs
+    if layout == "two":  # the canary per rollout worker: both were synced
+        for j in (0, 1):
+            per = history(runs["uri"], runs["two"]["sync"]["run_id"], f"rollout/logprob_diff_max/worker_{j}")
+            assert per and max(per.values()) < 1e-4, (j, per)
+
+
+def test_a_second_trial_on_reused_engines_starts_from_the_reset_weights(runs):
+    """Trial 2 repeats trial 1's config on the same engines after two trained runs: if the push after
+    the learner's reset sent the old module, its first rollout would come from trained weights."""
+    first = runs["two"]["sync"]["run_id"]
+    second = runs["two"]["trial2"]["run_id"]
+    for key in ("batch/fingerprint", "actor/pg_loss", "rollout/logprob_diff_max"):
+        assert history(runs["uri"], second, key)[1] == history(runs["uri"], first, key)[1], key
+    assert history(runs["uri"], second, "rollout/logprob_diff_max")[1] < 1e-4
+
+
+def test_gloo_and_the_object_store_train_the_same_bits(runs):
+    """Same seed, same workers: the weights delivered are the same bits, so every step's loss is equal."""
+    gloo, store = runs["two"]["sync"]["run_id"], runs["store"]["sync"]["run_id"]
+    assert runs["store"]["sync"]["method"] == "object_store"
+    for key in ("actor/pg_loss", "batch/fingerprint", "actor/grad_norm"):
+        assert history(runs["uri"], gloo, key) == history(runs["uri"], store, key), key
+
+
+def test_tensor_parallel_2_with_the_object_store(runs):
+    after = runs["tp2"]["after"]
+    assert after["store_diff"] < 1e-4  # every TP rank holds the learner's weights after an object-store push
+    assert after["same_bits"]  # and a gloo push of the same weights gives the same log-probs, bit for bit
