@@ -174,16 +174,14 @@ def test_the_issue_sequence_keeps_the_resume_point_and_the_tokenizer(tmp_path, m
     assert [p.name for p in checkpoint.step_dirs(run_dir)] == ["step_000020", "step_000015"]
 
 
-def test_a_starting_model_inside_a_checkpoint_is_copied_out_once(tmp_path):
+def test_a_starting_model_inside_a_checkpoint_is_copied_out_once(tmp_path, monkeypatch):
     """model.path=another run: its checkpoint may be rotated out by that run; ours keeps a copy."""
-    monkeypatch_env = {"STAPOCTL_CKPT_FSYNC": "0"}
-    with mock.patch.dict(os.environ, monkeypatch_env):
-        killer = Killer(None)
-        tok = tmp_path / "tok"
-        tok.mkdir()
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            (tok / f).write_text(f)
-        step = checkpoint.save(tmp_path / "other", 7, _payload(tok, 7, killer), {"step": 7})
+    monkeypatch.setenv("STAPOCTL_CKPT_FSYNC", "0")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tok / f).write_text(f)
+    step = checkpoint.save(tmp_path / "other", 7, _payload(tok, 7, Killer(None)), {"step": 7})
     home = tmp_path / "home"
     copy = run_files.starting_model(str(step / "model"), home)
     assert Path(copy).parent == home / "models" and Path(copy).name.startswith("checkpoint-")
