@@ -164,3 +164,24 @@ def test_the_loop_prints_one_line_tags_the_run_and_acts(action, saves, monkeypat
     assert "step_000007" in str(exc.value) and "resume=abc123" in str(exc.value)
     status, end_tags = final_status(exc.value)
     assert status == "KILLED" and "alarm entropy_collapse at step 7" in end_tags["stapoctl.stop_reason"]
+
+
+def test_a_checkpoint_saved_before_alarms_existed_resumes_with_them_on(monkeypatch):
+    """The saved config has no trainer.alarms / alarm_action / alarm_limits: resume validates, and
+    the loop watches with the defaults; an override on the resume command line still applies."""
+    from stapoctl.config.compose import compose_config
+    from stapoctl.config.validate import validate_config
+    from stapoctl.trainer.setup import resume_config
+
+    saved = OmegaConf.to_container(compose_config([]), resolve=True)
+    for key in ("alarms", "alarm_action", "alarm_limits"):
+        del saved["trainer"][key]
+    plain = resume_config(compose_config(["resume=/x"]), {"config": saved})
+    assert "alarm_limits" not in plain.trainer
+    validate_config(plain)
+    assert plain.trainer.get("alarms", True) and limits_from(plain.trainer.get("alarm_limits")) == AlarmLimits()
+    lp, tags = loop_with("warn", monkeypatch)
+    lp.conf = plain
+    assert lp._alarms(View(), 3, {"actor/entropy": 0.0}) is False and tags == {"stapoctl.alarm.entropy_collapse": "3"}
+    stopping = resume_config(compose_config(["resume=/x", "trainer.alarm_action=stop"]), {"config": saved})
+    assert stopping.trainer.alarm_action == "stop"
