@@ -185,3 +185,19 @@ def test_a_checkpoint_saved_before_alarms_existed_resumes_with_them_on(monkeypat
     assert lp._alarms(View(), 3, {"actor/entropy": 0.0}) is False and tags == {"stapoctl.alarm.entropy_collapse": "3"}
     stopping = resume_config(compose_config(["resume=/x", "trainer.alarm_action=stop"]), {"config": saved})
     assert stopping.trainer.alarm_action == "stop"
+
+
+def recorded(name: str) -> list[tuple[int, dict]]:
+    """A real run's per-step metrics (tests/data/alarm_streams.json, with the command that made it)."""
+    import json
+    from pathlib import Path
+
+    run = json.loads((Path(__file__).parent / "data" / "alarm_streams.json").read_text())[name]
+    return [(row[0], {k: v for k, v in zip(run["keys"], row[1:]) if v is not None}) for row in run["rows"]]
+
+
+def test_the_embedded_default_run_raises_no_alarm():
+    """`stapoctl train` (60 steps, STAPO, lr 1e-4): entropy 0.26 → ~0.2, accuracy 20% → ~75%."""
+    watch = HealthWatch()
+    steps = recorded("default_tiny_60")
+    assert len(steps) == 61 and [a for step, m in steps for a in watch.feed(step, m)] == []
