@@ -71,6 +71,13 @@ def test_entropy_falling_faster_than_the_rate():
     assert "fell" in alarm.message and "trainer.alarm_limits.entropy_drop" in alarm.message
 
 
+def test_entropy_blowing_up():
+    """A learning rate too high turns the policy to noise: entropy climbs instead of falling."""
+    stream = with_(40, actor__entropy=lambda s: None if s < 20 else 0.25 * 1.5 ** (s - 19))
+    (alarm,) = run(stream)
+    assert alarm.name == "entropy_blowup" and 21 <= alarm.step <= 24 and "entropy_rise" in alarm.message
+
+
 def test_grad_norm_spike():
     stream = with_(40, actor__grad_norm=lambda s: 25.0 if s == 30 else None)
     assert fired(stream) == [("grad_norm_spike", 30)]
@@ -105,7 +112,7 @@ def test_spurious_ratio_jumping():
 
 
 def test_every_alarm_fires_once_in_one_line():
-    stream = with_(60, actor__entropy=lambda s: 0.01 if s >= 50 else None,
+    stream = with_(60, actor__entropy=lambda s: 0.01 if s >= 50 else 2.0 if s == 5 else None,
                    actor__grad_norm=lambda s: 40.0 if s == 30 else None,
                    response_length__clip_ratio=lambda s: 1.0 if s >= 40 else None,
                    reward__accuracy=lambda s: 0.0 if s >= 30 else None,

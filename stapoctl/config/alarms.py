@@ -22,6 +22,9 @@ class AlarmLimits:
     # or falling by this fraction within entropy_window steps (3-step means compared)
     entropy_drop: float = spec(0.5, range="(0, 1]")
     entropy_window: int = spec(10, range=POSITIVE_INT)
+    # or rising: the 3-step mean this multiple of the lowest step seen (a learning rate too high
+    # blows the policy up into noise: the embedded default at lr 3e-3, docs/RUNS.md "Alarms")
+    entropy_rise: float = spec(3.0, range="(1, inf)")
     # actor/grad_norm this many standard deviations above its trailing grad_window steps …
     grad_z: float = spec(6.0, range=POSITIVE)
     grad_window: int = spec(20, range="[2, inf)")

@@ -25,7 +25,7 @@ CLIP_RATIO = "response_length/clip_ratio"
 ACCURACY = "reward/accuracy"
 MISMATCH = "rollout_corr/kl_k3"
 SPURIOUS = "stapo/spurious_ratio"
-NAMES = ("entropy_collapse", "grad_norm_spike", "length_at_cap", "reward_flat", "rollout_mismatch",
+NAMES = ("entropy_collapse", "entropy_blowup", "grad_norm_spike", "length_at_cap", "reward_flat", "rollout_mismatch",
          "spurious_jump")
 
 
@@ -51,6 +51,8 @@ class HealthWatch:
         self.fired: set[str] = set()
         n = self.limits
         self.entropy: deque = deque(maxlen=n.entropy_window + 3)
+        self.entropy_recent: deque = deque(maxlen=3)
+        self.entropy_min = math.inf  # the lowest entropy before the last 3 steps
         self.grad: deque = deque(maxlen=n.grad_window)
         self.spurious: deque = deque(maxlen=10)
         self.mismatch: deque = deque(maxlen=3)
@@ -61,6 +63,7 @@ class HealthWatch:
     def feed(self, step: int, metrics: Mapping[str, float]) -> list[Alarm]:
         found = [(name, why) for name, why in (
             ("entropy_collapse", self._entropy(_value(metrics, ENTROPY))),
+            ("entropy_blowup", self._blowup(_value(metrics, ENTROPY))),
             ("grad_norm_spike", self._grad(_value(metrics, GRAD_NORM))),
             ("length_at_cap", self._length(_value(metrics, CLIP_RATIO))),
             ("reward_flat", self._reward(_value(metrics, ACCURACY))),
@@ -83,6 +86,21 @@ class HealthWatch:
         if before > 0 and now < before * (1 - n.entropy_drop):
             return (f"{ENTROPY} fell {1 - now / before:.0%} in {n.entropy_window} steps ({before:.4f} → {now:.4f} "
                     f"nats; limit {n.entropy_drop:.0%}, trainer.alarm_limits.entropy_drop)")
+        return ""
+
+    def _blowup(self, h: Optional[float]) -> str:
+        """The 3-step mean against the lowest entropy of the steps before those 3."""
+        if h is None:
+            return ""
+        recent, rise = self.entropy_recent, self.limits.entropy_rise
+        if len(recent) == recent.maxlen:
+            self.entropy_min = min(self.entropy_min, recent[0])
+        recent.append(h)
+        now = statistics.fmean(recent)
+        if len(recent) == recent.maxlen and 0 < self.entropy_min < math.inf and now > rise * self.entropy_min:
+            return (f"{ENTROPY} rose to {now:.4f} nats (3-step mean), {now / self.entropy_min:.1f}× its earlier low "
+                    f"{self.entropy_min:.4f}: the policy is turning to noise (limit {rise:g}×, "
+                    "trainer.alarm_limits.entropy_rise)")
         return ""
 
     def _grad(self, g: Optional[float]) -> str:
