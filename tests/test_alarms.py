@@ -208,3 +208,12 @@ def test_the_embedded_default_run_raises_no_alarm():
     watch = HealthWatch()
     steps = recorded("default_tiny_60")
     assert len(steps) == 61 and [a for step, m in steps for a in watch.feed(step, m)] == []
+
+
+def test_the_embedded_default_at_lr_3e3_blows_up_and_the_alarms_say_so():
+    """`stapoctl train loss=grpo learner.lr=3e-3 trainer.total_steps=30` (measured, docs/RUNS.md):
+    the first step's updates wreck the policy — accuracy 0 from step 2, entropy 0.32 → 3.4 nats,
+    most responses run to the length cap. Entropy rises, so entropy_collapse stays silent."""
+    watch = HealthWatch()
+    fired = [(a.name, a.step) for step, m in recorded("grpo_lr3e-3_30") for a in watch.feed(step, m)]
+    assert fired == [("entropy_blowup", 4), ("length_at_cap", 5), ("reward_flat", 11)]
