@@ -217,3 +217,38 @@ def test_the_embedded_default_at_lr_3e3_blows_up_and_the_alarms_say_so():
     watch = HealthWatch()
     fired = [(a.name, a.step) for step, m in recorded("grpo_lr3e-3_30") for a in watch.feed(step, m)]
     assert fired == [("entropy_blowup", 4), ("length_at_cap", 5), ("reward_flat", 11)]
+
+
+class Source:
+    """Steps whose entropy collapses at step 3 (a stand-in for PlainSteps: no engines)."""
+
+    status = "fake"
+
+    def __init__(self):
+        self.closed = None
+
+    def step(self, step: int):
+        return None, {"actor/entropy": 0.001 if step >= 3 else 0.25}, {"at": step}
+
+    def close(self, stopping: bool = False) -> None:
+        self.closed = stopping
+
+
+@pytest.mark.parametrize("action, steps, saves", [("warn", 10, []), ("checkpoint", 10, [3]), ("stop", 3, [3])])
+def test_the_loop_checkpoints_or_stops_at_the_alarm_step(action, steps, saves, monkeypatch):
+    from types import SimpleNamespace
+
+    from stapoctl.trainer.run_record import ReplayCheck
+
+    lp, tags = loop_with(action, monkeypatch)
+    lp.runner = SimpleNamespace(engines=SimpleNamespace(wait_weights=lambda: None))
+    source, saved, seen = Source(), [], []
+    monkeypatch.setattr(lp, "_step_source", lambda *a: source)
+    monkeypatch.setattr(lp, "_log_step", lambda view, step, *a: seen.append(step))
+    monkeypatch.setattr(lp, "save", lambda step, state: saved.append((step, state["at"])))
+    view = View()
+    view.status = lambda *_: None
+    last, at = lp._steps(view, 0, 0, loop_mod.Cadence(10, 0, 0, 0), ReplayCheck())
+    assert seen == list(range(1, steps + 1)) and [s for s, _ in saved] == saves and all(s == a for s, a in saved)
+    assert tags == {"stapoctl.alarm.entropy_collapse": "3"} and source.closed == (action == "stop")
+    assert at == (3 if saves else 0)
