@@ -20,3 +20,16 @@ class RunStopped(RuntimeError):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+class AlarmStopped(RunStopped):
+    """A run-health alarm stopped the run (`trainer.alarm_action=stop`): checkpointed, KILLED with
+    the alarm named; exit 3, told apart from a signal's 128 + signum."""
+
+    def __init__(self, message: str, alarms: tuple[str, ...] = ()):
+        super().__init__(message, 0)
+        self.alarms = tuple(alarms)
+
+    @property
+    def exit_code(self) -> int:
+        return 3

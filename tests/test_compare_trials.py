@@ -157,3 +157,36 @@ def test_a_trial_an_alarm_stopped_is_kept_over_a_newer_failed_attempt(tmp_path):
     dup, alarm = comp.notes
     assert f"dropped run {comp.short[crashed]} (FAILED" in dup and "kept the run an alarm stopped (a result)" in dup
     assert alarm.startswith("compare: counted 1 trial(s) stopped by a run-health alarm")
+
+
+def test_a_finished_trial_that_raised_an_alarm_counts_and_is_shown(tmp_path):
+    """trainer.alarm_action=warn: the run went on and FINISHED; compare counts it (not as stopped),
+    names it in a note and its table row, and `stapoctl runs` lists the alarm with its step."""
+    import io
+
+    from rich.console import Console
+
+    from stapoctl.analysis.collect import collect
+    from stapoctl.analysis.tables import markdown
+    from stapoctl.tracking.runs import list_runs
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        s = Store(tmp_path)
+        sid = s.sweep("baselines", "loss")
+        warned = trial(s, sid, "grpo", 0, 0.40, "FINISHED", [(ALARM, "23")])
+        trial(s, sid, "grpo", 1, 0.50)
+    finally:
+        os.chdir(cwd)
+    comp = collect(s.uri, [sid])
+    assert sorted(t.id for t in comp.groups["grpo"]) == sorted(t.id for t in comp.trials) and len(comp.trials) == 2
+    assert [t.alarms for t in comp.trials] == [[], []]  # not "stopped by an alarm"
+    (note,) = comp.notes
+    assert note == (f"compare: 1 finished trial(s) raised a run-health alarm and went on: "
+                    f"{comp.short[warned]} (loss=grpo seed 0, alarm entropy_collapse)")
+    assert "finished (alarm: entropy_collapse)" in markdown(comp)
+    out = io.StringIO()
+    list_runs(s.uri, "stapoctl", Console(file=out, width=80))
+    text = out.getvalue()
+    assert "done !" in text and f"! {comp.short[warned]} alarm: entropy_collapse@23" in text

@@ -19,6 +19,8 @@ import time
 
 import pytest
 import torch
+from test_weight_sync import fixed_sequences
+from test_weight_sync import masked_max_diff as max_diff
 
 pytestmark = pytest.mark.engine
 
@@ -64,20 +66,6 @@ def linked(tmp_path_factory):
     if not was_up:
         ray.shutdown()
     mp.undo()
-
-
-def fixed_sequences(pad: int):
-    from stapoctl.rollout.batch import RolloutBatch
-
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 500, (k,), generator=g).tolist() for k in (6, 11, 8)]
-    resps = [[torch.randint(3, 500, (k,), generator=g).tolist() for k in (5, 9)] for _ in prompts]
-    zeros = [[[0.0] * len(r) for r in rs] for rs in resps]
-    return RolloutBatch.from_token_lists(prompts, resps, zeros, [[False] * 2] * 3, [[""] * 2] * 3, pad_id=pad)
-
-
-def max_diff(a, b, mask) -> float:
-    return float(torch.where(mask, (a - b).abs(), 0.0).max())
 
 
 def scores(linked, batch) -> list:

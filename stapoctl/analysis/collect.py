@@ -232,6 +232,12 @@ def alarms(run) -> list[str]:
     return sorted(k[len(keys.ALARM_PREFIX):] for k in run.data.tags if k.startswith(keys.ALARM_PREFIX))
 
 
+def raised(run) -> list[str]:
+    """The run-health alarms a run raised (tags stapoctl.alarm.<name>), whatever its status: a
+    FINISHED run warned of (trainer.alarm_action=warn) is a result, shown with them."""
+    return sorted(k[len(keys.ALARM_PREFIX):] for k in run.data.tags if k.startswith(keys.ALARM_PREFIX))
+
+
 def is_result(run) -> bool:
     """FINISHED, or stopped by a run-health alarm: what the method did, its last validation the result."""
     return run.info.status == "FINISHED" or bool(alarms(run))
@@ -262,6 +268,10 @@ def _results_only(runs: list, label_of: dict[str, str], key: str,
     if stopped:
         notes.append(f"compare: counted {len(stopped)} trial(s) stopped by a run-health alarm, at their last "
                      "validation: " + ", ".join(name(r, "alarm " + ", ".join(alarms(r))) for r in stopped))
+    warned = [r for r in runs if r.info.status == "FINISHED" and raised(r)]
+    if warned:
+        notes.append(f"compare: {len(warned)} finished trial(s) raised a run-health alarm and went on: "
+                     + ", ".join(name(r, "alarm " + ", ".join(raised(r))) for r in warned))
     gone_ids = {r.info.run_id for r in gone}
     kept = [r for r in runs if r.info.run_id not in gone_ids]
     if not kept:

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from stapoctl.analysis.cells import accuracy_cells, column_header, training_cells
-from stapoctl.analysis.collect import TRAINING_COLUMNS, Comparison
+from stapoctl.analysis.collect import TRAINING_COLUMNS, Comparison, raised
 from stapoctl.analysis.statistics import ALPHA, RowStats
 from stapoctl.tracking import keys
 
@@ -90,7 +90,7 @@ def markdown(comp: Comparison, metrics: Sequence[tuple[str, str]] = TRAINING_COL
               for g, row in tr.items()]
     lines += ["", "## Runs", "", "| group | seed | run | status |", "|---|---|---|---|"]
     lines += [f"| {t.group} | {t.seed} | {comp.short[t.id]} ({t.run.info.run_name}) | {t.run.info.status.lower()}"
-              + (f" (alarm: {', '.join(t.alarms)})" if t.alarms else "") + " |" for t in comp.trials]
+              + (f" (alarm: {', '.join(raised(t.run))})" if raised(t.run) else "") + " |" for t in comp.trials]
     return "\n".join(lines) + "\n"
 
 

@@ -15,13 +15,14 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from stapoctl.config.alarms import AlarmLimits
 from stapoctl.config.fields import spec
 from stapoctl.config.cluster import ClusterConfig
 from stapoctl.config.engines import LearnerConfig, RolloutConfig
 from stapoctl.config.model_data import STAPO_INSTRUCTION, DataConfig, ModelConfig, TinyModelConfig, ToyTaskConfig
 from stapoctl.config.ranges import NON_NEGATIVE, POSITIVE, POSITIVE_INT
 
-__all__ = ["ClusterConfig", "DataConfig", "EvalConfig", "GROUP_SCHEMAS", "LearnerConfig", "ModelConfig", "PlanConfig",
+__all__ = ["AlarmLimits", "ClusterConfig", "DataConfig", "EvalConfig", "GROUP_SCHEMAS", "LearnerConfig", "ModelConfig", "PlanConfig",
            "RewardConfig", "RolloutConfig", "STAPO_INSTRUCTION", "StapoctlConfig", "TinyModelConfig", "ToyTaskConfig",
            "TrackingConfig", "TrainerConfig"]
 
@@ -111,6 +112,12 @@ class TrainerConfig:
     # rounds per step at most (0 = no limit); then the step trains on the largest multiple of
     # learner.ppo_mini_batch_size groups it kept (none: no update), where verl stops the run
     max_gen_batches: int = spec(10, range=NON_NEGATIVE, why="0 = no limit")
+    # run-health alarms (trainer/alarms.py, docs/RUNS.md "Alarms"): each prints one line and tags the
+    # MLflow run stapoctl.alarm.<name>=<step>; then warn: go on; checkpoint: save one now; stop: save
+    # one and end the run KILLED, the alarm named
+    alarms: bool = True
+    alarm_action: str = spec("warn", choices=("warn", "checkpoint", "stop"))
+    alarm_limits: AlarmLimits = field(default_factory=AlarmLimits)
 
 
 @dataclass

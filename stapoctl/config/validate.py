@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from stapoctl.config.engines import GPU_TRANSPORTS
 from stapoctl.config.fields import default_of, problems
-from stapoctl.config.schema import GROUP_SCHEMAS
+from stapoctl.config.schema import GROUP_SCHEMAS, AlarmLimits
 from stapoctl.errors import UserError
 
 DEFAULT_EXPERIMENT = "tiny"
@@ -43,6 +43,8 @@ def validate_config(conf: DictConfig) -> None:
     for group, cls in GROUP_SCHEMAS.items():
         for name, value, why in problems(cls, conf[group]):
             raise _field_error(f"{group}.{name}", cls, name, value, why)
+    for name, value, why in problems(AlarmLimits, conf.trainer.get("alarm_limits") or {}):
+        raise _field_error(f"trainer.alarm_limits.{name}", AlarmLimits, name, value, why)
     _check_loss(conf.loss)
     _check_cross_fields(conf)
 

@@ -89,10 +89,12 @@ class CollectiveTrainer(TrainerWeightTransferEngine[CollectiveInitInfo]):
                 pass
             return
         info = self.update_info()
+        self.client.start_weight_update()  # vLLM's round; nothing here when the driver queued it (see client.py)
         with ThreadPoolExecutor(max_workers=1) as exe:
             received = exe.submit(self.client.update_weights, info)
             self.broadcast_all(iter(self.source), info)
             received.result()
+        self.client.finish_weight_update()
 
     # -- per backend -----------------------------------------------------------------------------
     def worker_init(self, info: CollectiveInitInfo) -> dict:

@@ -78,6 +78,14 @@ def _what(run) -> str:
     return p.get(keys.LOSS_NAME) or t.get(keys.LOSS, "")
 
 
+def run_alarms(run) -> str:
+    """`entropy_collapse@23, grad_norm_spike@40`: the run-health alarms a run raised (tag
+    stapoctl.alarm.<name>=<step>), whatever its status."""
+    t = run.data.tags
+    found = sorted((k[len(keys.ALARM_PREFIX):], v) for k, v in t.items() if k.startswith(keys.ALARM_PREFIX))
+    return ", ".join(f"{name}@{step}" for name, step in found)
+
+
 def list_runs(uri: Optional[str], experiment: str, console: Console, max_results: int = 50) -> list:
     """Newest top-level runs first, each followed by its nested runs as a tree."""
     from mlflow.entities import ViewType
@@ -109,7 +117,8 @@ def list_runs(uri: Optional[str], experiment: str, console: Console, max_results
         branch = "" if parent is None else prefix + ("└ " if last else "├ ")
         score = m.get(keys.SCORE)
         table.add_row(short[run.info.run_id], branch + _label(run, parent), _what(run),
-                      STATUS.get(run.info.status, run.info.status.lower()), run.data.tags.get(keys.STEP, ""),
+                      STATUS.get(run.info.status, run.info.status.lower()) + (" !" if run_alarms(run) else ""),
+                      run.data.tags.get(keys.STEP, ""),
                       f"{score:+.2f}" if score is not None else "", _accuracy(run))
         shown.append(run)
         children = kids.get(run.info.run_id, [])
@@ -125,6 +134,10 @@ def list_runs(uri: Optional[str], experiment: str, console: Console, max_results
         console.print("(no runs yet: `stapoctl train`)")
         return []
     console.print(table)
+    for run in shown:
+        if run_alarms(run):
+            console.print(f"! {short[run.info.run_id]} alarm: {run_alarms(run)}", style="red", highlight=False,
+                          soft_wrap=True)
     console.print("Short ids work wherever a run id is taken (compare, eval --model, resume=).",
                   style="dim", highlight=False)
     return shown

@@ -5,7 +5,7 @@ the metrics logged, checkpoints when due or when a signal asks the run to stop.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -67,6 +67,8 @@ class Loop:
     resumed_from: Optional[Path] = None  # this process's resume point: retention keeps it (`checkpoint.prune`)
     step: int = 0  # the step in progress, for a failure's one line
     protocol: str = ""  # sha256 of the validations' protocol, once recorded by this process
+    watch: Any = None  # HealthWatch: the run-health alarms (trainer.alarms)
+    alarmed: list = field(default_factory=list)  # the alarms that stop the run (trainer.alarm_action=stop)
 
     def run(self, start_step: int, console: Console) -> dict:
         """Steps start_step+1 … total: step, validate when due, log, checkpoint when due."""
@@ -78,6 +80,10 @@ class Loop:
                       int(conf.trainer.get("diagnostics_every") or 0))
         first_val: dict = {}
         replay = ReplayCheck()
+        if conf.trainer.get("alarms", True):  # .get: a checkpoint saved before alarms existed resumes
+            from stapoctl.trainer.alarms import HealthWatch, limits_from
+
+            self.watch = HealthWatch(limits_from(conf.trainer.get("alarm_limits")))
         with LiveView(console, total, start_step, title=f"{conf.experiment} · {conf.loss.name}") as view:
             if runner.data.val_sets and start_step == 0 and conf.trainer.val_before_train:
                 first_val = self._validate_start(view)
@@ -92,6 +98,7 @@ class Loop:
         if first_val:
             out["first_val"] = first_val
         self._end_if_stopped(total, saved)
+        self._end_if_alarmed(saved)
         return out
 
     def _validate_start(self, view) -> dict:
@@ -122,18 +129,20 @@ class Loop:
                 metrics["timing_s/step"] = time.perf_counter() - t_prev
             t_prev = time.perf_counter()
             self._log_step(view, step, due, batch, metrics, replay)
+            alarm_save = self._alarms(view, step, metrics)
             last = metrics
             if self.stop is not None:
                 self.stop.step_done(step, metrics.get("timing_s/step", 0.0))
             stopping = self.stop is not None and self.stop.requested is not None
-            if (due.save_freq > 0 and (step % due.save_freq == 0 or step == total)) or (stopping and step < total):
+            if ((due.save_freq > 0 and (step % due.save_freq == 0 or step == total)) or (stopping and step < total)
+                    or alarm_save):
                 view.status("checkpoint")
                 runner.engines.wait_weights()
                 self.save(step, sampler_state)
                 saved = step
-            if stopping and step < total:
+            if (stopping or self.alarmed) and step < total:
                 break
-        source.close(stopping)
+        source.close(stopping or bool(self.alarmed))
         return last, saved
 
     def _step_source(self, ahead: int, total: int, view):
@@ -163,6 +172,36 @@ class Loop:
         if due.diag_every > 0 and step % due.diag_every == 0 and batch is not None:
             runner.log_diagnostics(batch, step, self.run_dir)
         view.step(step, metrics)
+
+    def _alarms(self, view, step: int, metrics: dict) -> bool:
+        """The run-health alarms this step's metrics raise: one line each and the MLflow tag
+        stapoctl.alarm.<name>=<step>; True when trainer.alarm_action asks for a checkpoint now."""
+        from stapoctl.tracking import keys
+
+        fired = self.watch.feed(step, metrics) if self.watch is not None else []
+        if not fired:
+            return False
+        action = str(self.conf.trainer.get("alarm_action") or "warn")
+        then = {"warn": "the run goes on (trainer.alarm_action=warn)",
+                "checkpoint": "checkpoint now, the run goes on (trainer.alarm_action=checkpoint)",
+                "stop": "checkpoint now, then the run stops KILLED (trainer.alarm_action=stop)"}[action]
+        for alarm in fired:
+            view.console.print(f"[bold red]{alarm.message}[/]; {then}", highlight=False, soft_wrap=True)
+        set_tags({keys.ALARM_PREFIX + a.name: str(step) for a in fired})
+        if action == "stop":
+            self.alarmed.extend(fired)
+        return action != "warn"
+
+    def _end_if_alarmed(self, saved: int) -> None:
+        """An alarm with trainer.alarm_action=stop: the run ends KILLED, the alarm named, resumable."""
+        if self.alarmed:
+            from stapoctl.errors import AlarmStopped
+
+            names = ", ".join(a.name for a in self.alarmed)
+            raise AlarmStopped(f"alarm {names} at step {self.alarmed[0].step} (trainer.alarm_action=stop): stopped with "
+                               f"checkpoint step_{saved:06d}; see docs/RUNS.md \"Alarms\", then resume with "
+                               f"`stapoctl train resume={self.run_id}` (trainer.alarm_action=warn to go on past it)",
+                               tuple(a.name for a in self.alarmed))
 
     def _end_if_stopped(self, total: int, saved: int) -> None:
         """A signal stopped the loop before its last step: the run ends as stopped, resumable."""
