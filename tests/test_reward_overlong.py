@@ -69,7 +69,9 @@ def _runner(*, buffer=4, factor=1.0, filtered=False):
 
         def call_learners(self, method, batch, *args, **kwargs):
             self.sent = batch
-            return {}
+            from stapoctl.learner.step_result import StepResult
+
+            return StepResult()
 
     runner = StepRunner.__new__(StepRunner)
     runner.conf = OmegaConf.create({
