@@ -151,3 +151,30 @@ def test_the_plan_bounds_a_zero3_push_by_one_parameter():
     assert z3["total"] == pytest.approx(sum(v for k, v in z3.items() if k not in
                                             ("total", "activations_if_checkpointing_flipped", "weight_push_gather")))
     assert learner_memory(shape, zero_stage=2, **args)["weight_push_gather"] == 0.0  # weights already whole
+
+
+def test_the_ipc_push_is_driven_by_the_learner_and_waited_for(monkeypatch):
+    """CUDA IPC: no update info fixed at link time (the learner builds each one with its handles) and
+    no call queued on the actors by the driver; the push is synchronous."""
+    import ray
+
+    from stapoctl.sync.transfer import PUSHES
+    from stapoctl.sync.transports import transport
+
+    calls = []
+
+    class Method:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self, *args, **kwargs):
+            calls.append(self.name)
+            return self.name
+
+    class Learner:
+        init_weight_transfer, transfer_update_info, send_weights = Method("init"), Method("info"), Method("send")
+
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    push = PUSHES[transport("ipc").push]([Learner()], [object()], "ipc", {"tp_size": 1, "timeout_s": 1.0})
+    assert push.synchronous and push.update_info is None and calls == ["init"]
+    assert push.start([]) == ["send"]

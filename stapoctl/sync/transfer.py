@@ -44,7 +44,13 @@ class EnginePush:
 
         self.learners, self.workers = list(learners), list(workers)
         ray.get([lrn.init_weight_transfer.remote(method, self.workers, **link) for lrn in self.learners])
-        self.update_info = ray.get(self.learners[0].transfer_update_info.remote())
+        self.update_info = self.fixed_update_info()
+
+    def fixed_update_info(self):
+        """What every actor's queued call receives: names, dtypes, shapes (fixed for the link's life)."""
+        import ray
+
+        return ray.get(self.learners[0].transfer_update_info.remote())
 
     def start(self, workers: Sequence[Any]) -> list:
         received = [w.receive_weights.remote(self.update_info) for w in self.workers]
@@ -53,6 +59,9 @@ class EnginePush:
 
 class LearnerDrivenPush(EnginePush):
     synchronous = True
+
+    def fixed_update_info(self):
+        return None  # the learner builds each update (CUDA IPC handles) and sends it itself
 
     def start(self, workers: Sequence[Any]) -> list:
         return [lrn.send_weights.remote() for lrn in self.learners]
