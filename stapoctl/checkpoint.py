@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from stapoctl.errors import UserError
+from stapoctl.errors import UserError, exception_chain
 from stapoctl.tracking.run_ids import looks_like_run_id, run_dir_of
 
 TRAINER_STATE = "trainer_state.json"
@@ -79,16 +79,9 @@ def disk_full(exc: BaseException, where: Optional[Path] = None) -> Optional[OSEr
     Looked for in the exception's chain (`__cause__`, `__context__`, and `cause`: what a Ray task
     raised); a writer that loses the errno (`torch.save` raises "iostream error" / "unexpected
     pos") is recognised by a small probe write at `where` that fails with it."""
-    seen: set[int] = set()
-    todo: list[Optional[BaseException]] = [exc]
-    while todo:
-        e = todo.pop()
-        if not isinstance(e, BaseException) or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in exception_chain(exc, lambda e: (e.__cause__, e.__context__, getattr(e, "cause", None))):
         if isinstance(e, OSError) and e.errno in DISK_FULL:
             return OSError(e.errno, os.strerror(e.errno), e.filename or (str(where) if where else None))
-        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
     return _probe_full(Path(where)) if where is not None else None
 
 

@@ -1,5 +1,7 @@
 """User-facing errors: the CLI prints their message as one line, never a traceback."""
 
+from typing import Callable, Iterable, Iterator, Optional
+
 
 class UserError(ValueError):
     """Bad input: the message names the field and the fix."""
@@ -33,3 +35,18 @@ class AlarmStopped(RunStopped):
     @property
     def exit_code(self) -> int:
         return 3
+
+
+def exception_chain(exc: BaseException,
+                    links: Callable[[BaseException], Iterable[Optional[BaseException]]]) -> Iterator[BaseException]:
+    """`exc` and every exception reachable from it through `links(e)` (e.g. `__cause__`), each
+    once: the walk the disk-full check and the actor-error reader share, each with its own links."""
+    seen: set[int] = set()
+    todo: list[Optional[BaseException]] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += list(links(e))

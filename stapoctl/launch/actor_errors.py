@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from stapoctl.errors import UserError
+from stapoctl.errors import UserError, exception_chain
 
 
 def describe_actor_death(exc: BaseException) -> str:
@@ -45,13 +45,7 @@ def remote_error(exc: BaseException) -> Optional[RemoteError]:
     inside an actor method), else None. An error raised while merely handling one is not it."""
     from ray.exceptions import RayTaskError
 
-    seen: set[int] = set()
-    todo: list[Optional[BaseException]] = [exc]
-    while todo:
-        e = todo.pop()
-        if not isinstance(e, BaseException) or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in exception_chain(exc, lambda e: (e.__cause__,)):
         if isinstance(e, RayTaskError):  # what ray.get raises is a copy that keeps only the cause and text
             text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
             named = re.findall(r"\w+", str(getattr(e, "function_name", None) or ""))
@@ -62,7 +56,6 @@ def remote_error(exc: BaseException) -> Optional[RemoteError]:
                                actor_id=actor if isinstance(actor, str) else actor.group(1) if actor else "",
                                cause=one_line(cause if isinstance(cause, BaseException) else e),
                                stack=text)
-        todo.append(e.__cause__)
     return None
 
 
