@@ -17,15 +17,15 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from test_disk_full import _LOG_LINE, _namespace_mounts
+
 ROOT = Path(__file__).resolve().parents[1]
-_LOG_LINE = re.compile(r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d (INFO|WARNING) ")  # MLflow's own logging
 
 SCRIPT = r"""
 set -u
@@ -46,16 +46,6 @@ echo $? >"$OUT/broken.rc"
 cp "$MNT/run/errors.log" "$OUT/errors.log" 2>/dev/null
 ls "$MNT/run/checkpoints" >"$OUT/broken.ls"
 """
-
-
-def _namespace_mounts(tmp: Path) -> str:
-    """Why a tmpfs cannot be mounted here (empty: it can)."""
-    if shutil.which("unshare") is None:
-        return "no `unshare` binary"
-    (tmp / "probe").mkdir()
-    res = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m none {tmp / 'probe'}"],
-                         capture_output=True, text=True)
-    return "" if res.returncode == 0 else f"an unprivileged mount namespace is not allowed here: {res.stderr.strip()}"
 
 
 @pytest.fixture(scope="module")
