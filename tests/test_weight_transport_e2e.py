@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_weight_sync import fixed_sequences
 
 pytestmark = pytest.mark.e2e
 
@@ -29,13 +30,7 @@ TP2 = ["rollout.tensor_parallel_size=2"]
 
 
 def fixed_batch():
-    from stapoctl.rollout.batch import RolloutBatch
-
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 500, (k,), generator=g).tolist() for k in (6, 11)]
-    resps = [[torch.randint(3, 500, (k,), generator=g).tolist() for k in (5, 9)] for _ in prompts]
-    return RolloutBatch.from_token_lists(prompts, resps, [[[0.0] * len(r) for r in rs] for rs in resps],
-                                         [[False] * 2] * 2, [[""] * 2] * 2, pad_id=0)
+    return fixed_sequences(pad=0)
 
 
 def engines_agree(engines) -> float:
