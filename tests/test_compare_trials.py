@@ -1,6 +1,6 @@
 """Which trials `stapoctl compare` counts, on a real MLflow sqlite store built without training
 (the `Store` of test_compare_merge): a FINISHED trial counts; one a run-health alarm stopped
-(KILLED with a tag `stapoctl.alarm.<name>`) counts at its last validation, marked; one that
+(KILLED with the tag `stapoctl.alarm_stopped`) counts at its last validation, marked; one that
 FAILED or a person KILLED is left out, named in a note and counted against its row; a NaN or
 missing final value leaves the trial out with a note, and never crashes the table.
 
@@ -9,7 +9,7 @@ One sweep of `loss`, baseline grpo on seeds 0–4 with the tied values of test_c
 - stapo: 0.80–0.84 on seeds 0–4, seed 5 FAILED at 0.99: n 5, mean 0.82 (0.848 if it counted);
 - dapo:  0.20, 0.21, 0.23, 0.24, 0.25 on seeds 0, 1, 3, 4, 5, seed 2 NaN;
 - ppo:   0.90, 0.91, 0.92, 0.93 on seeds 0, 2, 4, 5, seed 1 stopped by an alarm at 0.10 (counts),
-         seed 3 KILLED by a person at 0.95 (left out).
+         seed 3 KILLED by a person at 0.95 after that alarm had only warned (left out).
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def sweep(tmp_path_factory):
             ids["dapo", seed] = trial(s, sid, "dapo", seed, v)
         for seed, v in enumerate([0.90, 0.10, 0.91, 0.95, 0.92, 0.93]):
             status = "KILLED" if seed in (1, 3) else "FINISHED"
-            ids["ppo", seed] = trial(s, sid, "ppo", seed, v, status, [(ALARM, "entropy < 0.01")] if seed == 1 else [])
+            # seed 1: stopped by the alarm; seed 3: a person stopped it after the alarm had only warned
+            tags = {1: [(ALARM, "7"), (keys.ALARM_STOPPED, "entropy_collapse")], 3: [(ALARM, "7")]}.get(seed, [])
+            ids["ppo", seed] = trial(s, sid, "ppo", seed, v, status, tags)
     finally:
         os.chdir(cwd)
     return {"uri": s.uri, "sweep": sid, "ids": ids}
@@ -146,7 +148,7 @@ def test_a_trial_an_alarm_stopped_is_kept_over_a_newer_failed_attempt(tmp_path):
     try:
         s = Store(tmp_path)
         sid = s.sweep("baselines", "loss")
-        stopped = trial(s, sid, "grpo", 0, 0.30, "KILLED", [(ALARM, "entropy < 0.01")])
+        stopped = trial(s, sid, "grpo", 0, 0.30, "KILLED", [(ALARM, "7"), (keys.ALARM_STOPPED, "entropy_collapse")])
         crashed = trial(s, sid, "grpo", 0, 0.70, "FAILED")
         trial(s, sid, "grpo", 1, 0.50)
     finally:

@@ -67,6 +67,14 @@ for step in range(1, steps + 1):
         c.set_terminated(rid, "KILLED")
         note(event="end", status="KILLED")
         sys.exit(128 + stop[0])
+    if what == "alarm":  # trainer.alarm_action=stop: its validation, the alarm's tags, KILLED, exit 3
+        c.log_metric(rid, "val/toy/train/avg_at_4", 0.1, step=step)
+        for k, v in {"stapoctl.alarm.entropy_collapse": str(step), "stapoctl.alarm_stopped": "entropy_collapse",
+                     "stapoctl.stop_reason": "alarm entropy_collapse at step %d" % step}.items():
+            c.set_tag(rid, k, v)
+        c.set_terminated(rid, "KILLED")
+        note(event="end", status="KILLED")
+        sys.exit(3)
     if what == "boom":
         c.set_tag(rid, "stapoctl.error", "RuntimeError: learner rank 0 died")
         c.set_terminated(rid, "FAILED")
@@ -171,6 +179,19 @@ def test_k_trials_at_once_a_failure_does_not_stop_the_others_and_resume_runs_the
     assert "1 already finished, running 2" in log
     assert [s for _, s, _ in by_trial(world, sweep_id)].count("FINISHED") == 3
     assert world["client"].get_run(sweep_id).info.status == "FINISHED"
+
+
+def test_a_trial_an_alarm_stopped_is_a_result_and_the_others_go_on(world):
+    world["script"]["0"] = "alarm"
+    code, log = run(world, "values=[2e-3,2e-2,2e-1]", "max_parallel=2")
+    assert code == 0, log
+    parent = the_sweep(world)
+    assert parent.info.status == "FINISHED" and parent.data.metrics["sweep/trials_alarm_stopped"] == 1
+    assert [s for _, s, _ in by_trial(world, parent.info.run_id)] == ["KILLED", "FINISHED", "FINISHED"]
+    assert "stopped by the alarm entropy_collapse: last val 10.0%, counted as its result" in " ".join(log.split())
+    world["log"].unlink()
+    assert run(world, f"resume={parent.info.run_id[:8]}", "max_parallel=2")[0] == 0
+    assert events(world) == []  # nothing to run again
 
 
 def test_ctrl_c_stops_every_trial_and_leaves_no_run_running(world, monkeypatch):

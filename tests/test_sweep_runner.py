@@ -24,7 +24,9 @@ STEPS = 2
 def world(tmp_path, monkeypatch):
     """A store, and a stand-in trainer whose behaviour per trial index the test sets."""
     import stapoctl.trainer.driver as driver
+    from stapoctl.errors import AlarmStopped
     from stapoctl.tracking import mlflow_run
+    from stapoctl.trainer.run_status import final_status
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     script: dict[int, str] = {}
@@ -47,7 +49,17 @@ def world(tmp_path, monkeypatch):
                     raise RuntimeError("learner rank 0 died")
                 if what == "interrupt" and step == 1:
                     raise KeyboardInterrupt
+                if what == "alarm" and step == 1:
+                    break
             mlflow_run.log_metrics({"val/toy/train/avg_at_4": 0.25 * (index + 1), "timing_s/val": 0.01}, step=STEPS)
+        if what == "alarm":  # what train does at trainer.alarm_action=stop: tags, KILLED, AlarmStopped
+            stop = AlarmStopped("alarm entropy_collapse at step 1 (trainer.alarm_action=stop)", ("entropy_collapse",))
+            status, tags = final_status(stop)
+            client = mlflow.MlflowClient(conf.tracking.uri)
+            for k, v in {**tags, "stapoctl.alarm.entropy_collapse": "1"}.items():
+                client.set_tag(run.info.run_id, k, v)
+            client.set_terminated(run.info.run_id, status)
+            raise stop
         return {"run_id": run.info.run_id, "final": {"val/toy/train/avg_at_4": 0.25 * (index + 1)}}
 
     monkeypatch.setattr(driver, "train", train)
@@ -104,6 +116,25 @@ def test_a_failed_trial_is_recorded_and_the_sweep_goes_on(world):
     # nothing left to do: a further resume runs no trial and still ends FINISHED
     world["calls"].clear()
     assert run(world, f"resume={sweep_id}")[0] == 0 and world["calls"] == []
+
+
+def test_a_trial_an_alarm_stopped_is_a_result_and_the_sweep_goes_on(world):
+    """trainer.alarm_action=stop ends one trial KILLED at its last validation: the next trials
+    still run, the parent ends FINISHED, and a resume does not run that trial again."""
+    world["script"][1] = "alarm"
+    code, log = run(world)
+    assert code == 0 and world["calls"] == [0, 1, 2]
+    (parent,) = sweeps(world)
+    sweep_id = parent.info.run_id
+    assert parent.info.status == "FINISHED"
+    assert sorted(by_trial(world, sweep_id)) == [("0", "FINISHED", ""), ("1", "KILLED", ""), ("2", "FINISHED", "")]
+    m = parent.data.metrics
+    assert (m["sweep/trials_alarm_stopped"], m["sweep/trials_failed"], m["sweep/trials_finished"]) == (1, 0, 3)
+    assert "stopped by the alarm entropy_collapse: last val 50.0%, counted as its result" in log
+    assert "KILLED (alarm)" in log and "1 of 3 trials were stopped by a run-health alarm" in log
+    world["calls"].clear()
+    code, log = run(world, f"resume={sweep_id[:8]}")
+    assert code == 0 and world["calls"] == [] and "KILLED (alarm)" in log
 
 
 def test_an_interrupt_ends_the_trial_and_the_sweep_killed(world):

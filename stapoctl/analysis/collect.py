@@ -226,10 +226,10 @@ def _labels(runs: list, sweeps: list, short: dict[str, str]) -> tuple[Optional[s
 
 
 def alarms(run) -> list[str]:
-    """The run-health alarms (tags stapoctl.alarm.<name>) that stopped a KILLED run."""
-    if run.info.status != "KILLED":
-        return []
-    return sorted(k[len(keys.ALARM_PREFIX):] for k in run.data.tags if k.startswith(keys.ALARM_PREFIX))
+    """The run-health alarms that stopped a KILLED run (tag stapoctl.alarm_stopped)."""
+    from stapoctl.tracking.runs import alarm_stopped
+
+    return sorted(alarm_stopped(run))
 
 
 def raised(run) -> list[str]:

@@ -38,6 +38,20 @@ class Outcome:
                 num(self.overhead_s), self.run_id, self.engines]
 
 
+ALARM_STATUS = "KILLED (alarm)"  # stopped by a run-health alarm: done, its last validation its result
+
+
+def alarm_outcome(trial: Trial, run, wall: Optional[float], engines: str = "") -> Outcome:
+    """A trial a run-health alarm stopped (trainer.alarm_action=stop): a result, not a failure."""
+    return Outcome(trial, ALARM_STATUS, run.info.run_id, final_val({"final": run.data.metrics}), wall,
+                   engines=engines)
+
+
+def alarm_line(head: str, out: Outcome, names: list[str]) -> str:
+    return (f"[bold yellow]■[/] {head} stopped by the alarm {', '.join(names)}: last val {pct(out.val)}, "
+            f"counted as its result · run {out.run_id}")
+
+
 def resume_point(record: store.TrialRecord) -> Optional[str]:
     """The checkpoint an unfinished trial continues from (None: it starts a new child run)."""
     from stapoctl.checkpoint import latest_step_dir, read_trainer_state
@@ -81,8 +95,10 @@ def finish(definition: SweepDefinition, sweep_id: str, trials: list[Trial], outc
     records = store.trial_records(sweep_id, len(trials), uri)
     finished = sum(r.finished for r in records.values())
     failed = len(trials) - finished
+    alarmed = sum(1 for r in records.values() if r.run is not None and store.alarm_stopped(r.run))
     now = int(time.time() * 1000)
-    metrics = [Metric("sweep/trials_finished", finished, now, 0), Metric("sweep/trials_failed", failed, now, 0)]
+    metrics = [Metric("sweep/trials_finished", finished, now, 0), Metric("sweep/trials_failed", failed, now, 0),
+               Metric("sweep/trials_alarm_stopped", alarmed, now, 0)]
     reused = [o.overhead_s for o in outcomes.values() if o.engines == "reused" and o.overhead_s is not None]
     if reused:
         metrics.append(Metric("sweep/mean_trial_overhead_s", sum(reused) / len(reused), now, 0))
@@ -95,8 +111,9 @@ def finish(definition: SweepDefinition, sweep_id: str, trials: list[Trial], outc
                          overflow="fold", min_width=8 if col == "run name" else None)
     for trial in trials:
         rec = records[trial.index]
+        earlier = ALARM_STATUS if rec.run is not None and store.alarm_stopped(rec.run) else "FINISHED"
         out = outcomes.get(trial.index) or Outcome(
-            trial, "FINISHED" if rec.finished else (rec.run.info.status if rec.run else "-"),
+            trial, earlier if rec.finished else (rec.run.info.status if rec.run else "-"),
             rec.run.info.run_id if rec.run else "", engines="earlier run")
         table.add_row(*out.row())
     console.print(table)
@@ -107,6 +124,9 @@ def finish(definition: SweepDefinition, sweep_id: str, trials: list[Trial], outc
         console.print(f"[bold red]{failed} of {len(trials)} trials did not finish[/]; rerun them with "
                       f"`stapoctl sweep {definition.name} resume={sweep_id[:8]}`")
         return 1
+    if alarmed:
+        console.print(f"[yellow]{alarmed} of {len(trials)} trials were stopped by a run-health alarm[/]: each counts "
+                      "at its last validation (`stapoctl compare` marks them)")
     console.print(f"[bold green]sweep {definition.name} finished[/]: {len(trials)} trials under MLflow run {sweep_id}")
     return 0
 

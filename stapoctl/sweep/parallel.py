@@ -26,7 +26,8 @@ from rich.console import Console
 from stapoctl.errors import UserError
 from stapoctl.sweep import layout, store
 from stapoctl.sweep.definition import SweepDefinition
-from stapoctl.sweep.outcome import Outcome, attempt_run, final_val, finish, pct, resume_point
+from stapoctl.sweep.outcome import (ALARM_STATUS, Outcome, alarm_line, alarm_outcome, attempt_run, final_val, finish,
+                                    pct, resume_point)
 from stapoctl.sweep.plan import Trial
 from stapoctl.sweep.signals import signals_as_interrupt, signals_deferred
 
@@ -131,6 +132,8 @@ class Pool:
         elif status == "FINISHED" and not store.trial_finished(run, s.uri):
             status = "FAILED"
             store.end_child(child_id, s.uri, status, "ended without validation metrics at its last step")
+        if status == "KILLED" and store.alarm_stopped(run):
+            return alarm_outcome(trial, run, wall, "own")
         if status != "FINISHED":
             return Outcome(trial, status, child_id, wall_s=wall)
         timing = store.log_trial_timing(s.sweep_id, child_id, trial.index, s.uri, r.since, wall)
@@ -148,6 +151,9 @@ class Pool:
         if out.status == "FINISHED":
             s.console.print(f"[bold green]✓[/] {head}: final val {pct(out.val)} · {out.wall_s:.1f} s · run {out.run_id}",
                             highlight=False)
+        elif out.status == ALARM_STATUS:
+            names = store.alarm_stopped(store.client(s.uri).get_run(out.run_id))
+            s.console.print(alarm_line(head, out, names), highlight=False)
         else:
             s.console.print(f"[bold red]✗ {head} {out.status}[/]: {error}", highlight=False)
 

@@ -21,11 +21,11 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
-from stapoctl.errors import RunStopped, UserError
+from stapoctl.errors import AlarmStopped, RunStopped, UserError
 from stapoctl.sweep import confirm, layout, store
 from stapoctl.sweep.definition import SweepCommand, SweepDefinition, override_key, parse_command
-from stapoctl.sweep.outcome import (Outcome, attempt_run, final_val, finish, pct, record_failure,
-                                    resume_point)
+from stapoctl.sweep.outcome import (Outcome, alarm_line, alarm_outcome, attempt_run, final_val, finish, pct,
+                                    record_failure, resume_point)
 from stapoctl.sweep.plan import Trial, check_plan, compose_trial, plan_trials
 from stapoctl.sweep.signals import signals_as_interrupt, signals_deferred
 
@@ -280,6 +280,14 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
                     stop_reason = f"interrupted ({received[0] if received else 'SIGINT'}) during trial {trial.index + 1}"
                     _end_interrupted(sweep_id, trial, records, resume, uri, since, stop_reason)
                     raise
+                except AlarmStopped as exc:  # a result, not a gap: checkpointed, ended KILLED; the sweep goes on
+                    child = store.client(uri).get_run(attempt_run(sweep_id, trial, records, resume, uri, since))
+                    reused = bool(session.engines is not None and session.engines.info.get("reused"))
+                    outcomes[trial.index] = out = alarm_outcome(trial, child, time.perf_counter() - t0,
+                                                                "reused" if reused else "started")
+                    view.finish(alarm_line(f"trial {trial.index + 1}/{len(trials)} {trial.run_name}", out,
+                                           list(exc.alarms)))
+                    continue
                 except RunStopped as exc:  # a signal: train stopped after its step, checkpointed, ended KILLED
                     stop_reason = f"interrupted ({signal_name(exc.signum)}) during trial {trial.index + 1}"
                     _end_stopped(definition, sweep_id, uri, stop_reason, console)

@@ -4,7 +4,8 @@ children (one `train` run per trial attempt) and what they say about each trial.
 The parent is driven through `MlflowClient`, not the fluent API: the trials' own runs use the
 fluent API (`mlflow.start_run`) in the same process, and MLflow keeps one fluent run active at a
 time. A trial counts as finished when its child is FINISHED, reached `trainer.total_steps` and
-logged validation metrics at that step (its final evaluation).
+logged validation metrics at that step (its final evaluation); a trial a run-health alarm stopped
+(trainer.alarm_action=stop) is done too, a result at its last validation that `resume=` never re-runs.
 
 Liveness: the parent records the host, pid and the pid's start time of the process running it.
 A RUNNING parent whose process is gone on this host belongs to a dead sweep (SIGKILL, OOM,
@@ -22,6 +23,7 @@ from typing import Any, Optional
 from stapoctl.errors import UserError
 from stapoctl.sweep import layout
 from stapoctl.sweep.definition import SweepDefinition
+from stapoctl.tracking.runs import alarm_stopped
 
 TERMINAL = ("FINISHED", "FAILED", "KILLED")
 
@@ -186,7 +188,7 @@ def trial_records(sweep_id: str, n_trials: int, uri: Optional[str]) -> dict[int,
         if rec is None:
             continue
         rec.attempts += 1
-        done = trial_finished(run, uri)
+        done = trial_finished(run, uri) or bool(alarm_stopped(run))
         if done or not rec.finished:  # the newest attempt, unless an earlier one finished
             rec.run, rec.finished = run, rec.finished or done
     return records

@@ -38,7 +38,10 @@ STEP = "stapoctl.step"  # the newest logged step of a training run
 LOSS = "stapoctl.loss"
 RUN_DIR = "stapoctl.run_dir"
 TRAIN_RUN_ID = "stapoctl.train_run_id"  # an eval run: the training run whose model it scored
-ALARM_PREFIX = "stapoctl.alarm."  # stapoctl.alarm.<name> on a KILLED run: a run-health alarm stopped it
+ALARM_PREFIX = "stapoctl.alarm."  # stapoctl.alarm.<name>=<step>: a run-health alarm this run raised
+# on a run a run-health alarm stopped (trainer.alarm_action=stop, KILLED): the alarms' names, comma-separated;
+# told apart from a run a person stopped after an alarm had only warned
+ALARM_STOPPED = "stapoctl.alarm_stopped"
 # sha256 of the evaluation protocol (eval/protocol.py) of an eval run, or of a training run's last
 # validation; the canonical JSON itself is the artifact PROTOCOL_ARTIFACT (its sha256 is the tag)
 PROTOCOL = "stapoctl.eval_protocol"

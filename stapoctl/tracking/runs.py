@@ -86,6 +86,14 @@ def run_alarms(run) -> str:
     return ", ".join(f"{name}@{step}" for name, step in found)
 
 
+def alarm_stopped(run) -> list[str]:
+    """The alarms that stopped a KILLED run (tag stapoctl.alarm_stopped): a result, not a gap;
+    [] for any other run, including one a person stopped after an alarm had only warned."""
+    if run.info.status != "KILLED":
+        return []
+    return [n for n in run.data.tags.get(keys.ALARM_STOPPED, "").split(",") if n]
+
+
 def list_runs(uri: Optional[str], experiment: str, console: Console, max_results: int = 50) -> list:
     """Newest top-level runs first, each followed by its nested runs as a tree."""
     from mlflow.entities import ViewType

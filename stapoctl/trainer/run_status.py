@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
-from stapoctl.errors import RunFailed, RunStopped, UserError
+from stapoctl.errors import AlarmStopped, RunFailed, RunStopped, UserError
+from stapoctl.tracking import keys
 
 LOCK = ".stapoctl.lock"
 # While a run trains, a failing MLflow request must fail fast: the sender thread retries itself.
@@ -61,6 +62,8 @@ class RunRecord:
 def final_status(exc: Optional[BaseException]) -> tuple[str, dict[str, str]]:
     if exc is None:
         return "FINISHED", {}
+    if isinstance(exc, AlarmStopped):
+        return "KILLED", {"stapoctl.stop_reason": str(exc), keys.ALARM_STOPPED: ",".join(exc.alarms)}
     if isinstance(exc, RunStopped):
         return "KILLED", {"stapoctl.stop_reason": str(exc)}
     if isinstance(exc, KeyboardInterrupt):
