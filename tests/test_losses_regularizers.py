@@ -178,6 +178,19 @@ def test_entropy_bonus_by_hand():
     torch.testing.assert_close(g, -0.01 / 5 * b["response_mask"].float(), atol=1e-9, rtol=0)
 
 
+def test_a_negative_entropy_coef_minimises_entropy_by_hand():
+    """c < 0 (verl takes either sign): loss = pg + |c|·agg(H), the gradient pushes H down."""
+    b, _ = kl_batch()
+    base, _ = compute_policy_loss("dapo", **b)
+    b, _ = kl_batch()
+    b["entropy"] = torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.5, 9.0]], requires_grad=True)  # 9.0: padding
+    loss, m = compute_policy_loss("dapo", **b, entropy_coef=-0.01)
+    assert m["actor/entropy_loss"] == pytest.approx(7.0 / 5, abs=1e-6)
+    assert loss.item() == pytest.approx(base.item() + 0.01 * 7.0 / 5, abs=1e-6)
+    (g,) = torch.autograd.grad(loss, b["entropy"])
+    torch.testing.assert_close(g, 0.01 / 5 * b["response_mask"].float(), atol=1e-9, rtol=0)
+
+
 def test_entropy_without_gradient_gives_the_value_but_no_gradient():
     b, _ = kl_batch()
     loss, m = compute_policy_loss("dapo", **b, entropy_coef=0.01)
@@ -365,7 +378,7 @@ def test_off_knobs_are_bit_equal_to_the_method_alone(name):
 # -- refused values -----------------------------------------------------------------------------
 @pytest.mark.parametrize("cls, kwargs, match", [
     (DAPOConfig, dict(kl_coef=-0.1), "kl_coef"),
-    (DAPOConfig, dict(entropy_coef=-1e-3), "entropy_coef"),
+    (DAPOConfig, dict(entropy_coef=float("nan")), "entropy_coef"),
     (DAPOConfig, dict(rollout_is_cap=0.5), "rollout_is_cap"),
     (DAPOConfig, dict(kl_estimator="k4"), "kl_estimator"),
     (DAPOConfig, dict(kl_clamp=-1.0), "kl_clamp"),

@@ -98,8 +98,8 @@ class RegularizerFields(AdvantageFields):
                            choices=KL_ESTIMATORS)
     kl_clamp: float = _f(10.0, "k3's value clamped to [-c, c] (verl 0.9.1: 10), which zeroes its gradient "
                          "beyond; 0 = off", range="[0, inf)")
-    entropy_coef: float = _f(0.0, "c of - c*agg(H) (verl entropy_coeff); its gradient needs "
-                             "token_stats(entropy_grad=True)", range="[0, inf)")
+    entropy_coef: float = _f(0.0, "c of - c*agg(H) (verl entropy_coeff): > 0 a bonus, < 0 entropy minimisation; "
+                             "its gradient needs token_stats(entropy_grad=True)", range="(-inf, inf)")
     rollout_correction: str = _f(
         "auto",
         "weight for behaviour (rollout engine) != old policy, given behavior_log_prob: auto (token_tis) | off | "

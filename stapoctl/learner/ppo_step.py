@@ -139,7 +139,7 @@ class PPOStep:
         from stapoctl.losses import compute_policy_loss, prepare_minibatch, slice_context
 
         cfg = self.loss_cfg
-        bonus = float(cfg.get("entropy_coef") or 0.0) > 0  # the entropy bonus needs H's gradient
+        bonus = float(cfg.get("entropy_coef") or 0.0) != 0  # the entropy term (either sign) needs H's gradient
         ent_g, lp_g, p2_g = self._token_stats(mb, entropy_grad=bonus)
         mask = mb.response_mask.to(self.device)
         mb_extras = dict(extras, group_ids=mb.group_ids.to(self.device))

@@ -28,7 +28,7 @@ def compute_policy_loss(
     entropy: Tensor, **cfg: Any,
 ) -> tuple[Tensor, dict[str, float]]:
     """Loss to minimise (fp32 scalar, differentiable w.r.t. log_prob, and w.r.t. entropy when
-    ``entropy_coef > 0`` and the entropy carries a gradient) and metrics.
+    ``entropy_coef != 0`` and the entropy carries a gradient) and metrics.
 
     ``cfg`` takes the loss config's fields (``dataclasses.asdict(cfg)`` works, ``name``
     included), the extra inputs and the mini-batch context listed in ``registry``. Without a

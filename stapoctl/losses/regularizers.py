@@ -23,9 +23,10 @@ def regularizer_mode(cfg: Any) -> str:
 
 
 def _active(cfg: Any) -> tuple[bool, bool]:
-    """(KL term here, entropy bonus): TR-GRPO's tr_weighted KL lives inside its own token loss."""
+    """(KL term here, entropy term): TR-GRPO's tr_weighted KL lives inside its own token loss. The
+    entropy term is a bonus for c > 0 and entropy minimisation for c < 0 (verl takes either sign)."""
     kl_on = getattr(cfg, "kl_coef", 0.0) > 0 and getattr(cfg, "kl_estimator", "k3") != "tr_weighted"
-    return kl_on, getattr(cfg, "entropy_coef", 0.0) > 0
+    return kl_on, getattr(cfg, "entropy_coef", 0.0) != 0
 
 
 def _denominator(batch: PolicyBatch, cfg: Any, mode: str) -> Tensor:
