@@ -68,3 +68,23 @@ def _training_store(shared_home: SimpleNamespace, tmp_path_factory, name: str, c
         yield SimpleNamespace(uri=uri, conf=conf, console=Console(width=120, record=True))
     finally:
         mp.undo()
+
+
+# -- where the suite's time goes ---------------------------------------------------------------------
+# Per module: setup + call + teardown of its tests, summed (module fixtures' engine starts included),
+# printed after the run so the suite's budget (README: well under 30 minutes) is kept per file.
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    module = report.nodeid.split("::", 1)[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + float(report.duration or 0.0)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _MODULE_SECONDS:
+        return
+    total = sum(_MODULE_SECONDS.values())
+    terminalreporter.section(f"time per test module ({total:.0f} s in tests)")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:4.1f}%  {module}")

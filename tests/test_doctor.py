@@ -239,18 +239,6 @@ def test_doctor_passes_here_on_the_tiny_config_with_two_gloo_workers(shared_home
     assert time.monotonic() - t0 < 300
 
 
-@pytest.mark.engine
-def test_doctor_checks_every_tensor_parallel_rank(shared_home, tmp_path):
-    """TP 2 over gloo: each of the engine's two worker processes holds its own rank and the weights."""
-    res = doctor(shared_home, f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", "rollout.tensor_parallel_size=2",
-                 "rollout.weight_sync=gloo", "rollout.weight_sync_timeout_s=60", "--json")
-    _, by_check = fail_rows(res)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert by_check["transfer ranks"].status == PASS and "1 engine(s) × TP 2 on ranks [1, 2]" in \
-        by_check["transfer ranks"].detail
-    assert by_check["weight sync"].status == PASS
-
-
 def fail_rows(res: subprocess.CompletedProcess) -> tuple[list[Row], dict[str, Row]]:
     out, _ = rows.from_json(res.stdout)
     return [r for r in out if r.status == FAIL], {r.check: r for r in out}
@@ -262,14 +250,29 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def tp2_mlflow_down(shared_home):
+    """One doctor run for two facts (an engine start each would cost ~40 s): TP 2 over gloo, with
+    the tracking server down."""
+    return doctor(shared_home, f"tracking.uri=http://127.0.0.1:{closed_port()}", "rollout.tensor_parallel_size=2",
+                  "rollout.weight_sync=gloo", "rollout.weight_sync_timeout_s=60", "--json")
+
+
 @pytest.mark.engine
-def test_doctor_fails_on_one_row_when_mlflow_is_down(shared_home):
-    res = doctor(shared_home, f"tracking.uri=http://127.0.0.1:{closed_port()}", "--json")
-    failed, by_check = fail_rows(res)
-    assert res.returncode == 1, res.stderr[-3000:]
+def test_doctor_checks_every_tensor_parallel_rank(tp2_mlflow_down):
+    """TP 2 over gloo: each of the engine's two worker processes holds its own rank and the weights."""
+    _, by_check = fail_rows(tp2_mlflow_down)
+    assert by_check["transfer ranks"].status == PASS and "1 engine(s) × TP 2 on ranks [1, 2]" in \
+        by_check["transfer ranks"].detail, tp2_mlflow_down.stderr[-3000:]
+    assert by_check["weight sync"].status == PASS  # the engines do not need MLflow
+
+
+@pytest.mark.engine
+def test_doctor_fails_on_one_row_when_mlflow_is_down(tp2_mlflow_down):
+    failed, by_check = fail_rows(tp2_mlflow_down)
+    assert tp2_mlflow_down.returncode == 1, tp2_mlflow_down.stderr[-3000:]
     assert [r.check for r in failed] == ["MLflow"], failed
     assert "does not answer" in failed[0].detail and "tracking.uri" in failed[0].fix
-    assert by_check["weight sync"].status == PASS  # the engines do not need MLflow
 
 
 def test_doctor_fails_on_one_row_when_the_model_dir_is_missing(shared_home, tmp_path):
