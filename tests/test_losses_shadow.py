@@ -137,3 +137,26 @@ def test_a_preset_shadow_takes_the_runs_thresholds():
     assert list(cells) == [c[0] for c in CELLS] and cells[SPURIOUS_CELL][0].text() == (
         "{adv: pos, prob: [0, 0.01], entropy_q: [0, 0.8], action: mask}")
     assert not math.isnan(len(LOSSES))
+
+
+def test_a_minibatch_without_gradient_has_no_grad_share_and_the_step_mean_leaves_it_out():
+    """Every Â = 0 (a mini-batch of uniform groups): no gradient, so no gradient share (NaN), not 0;
+    the learner's step mean is over the mini-batches that had one (it once logged 0.75 for a step
+    whose fourth mini-batch had no gradient)."""
+    from stapoctl.learner.metric_accumulator import MetricAccumulator
+
+    b = make_batch()
+    b["advantages"] = torch.zeros_like(b["advantages"])
+    _, m = compute_policy_loss("grpo", **b, shadow=["stapo"])
+    assert math.isnan(m["shadow/stapo/grad_share"]) and m["shadow/stapo/token_share"] == 0.0
+    acc = MetricAccumulator()
+    for share, loss in ((0.2, 1.0), (0.4, 1.0), (float("nan"), 0.0)):
+        acc.add({"shadow/stapo/grad_share": share, "actor/pg_loss": loss, "actor/entropy": 0.3})
+        acc.end_minibatch()
+    out = acc.result()
+    assert out["shadow/stapo/grad_share"] == pytest.approx(0.3) and out["actor/entropy"] == pytest.approx(0.3)
+    acc = MetricAccumulator()
+    acc.add({"shadow/stapo/grad_share": float("nan"), "actor/entropy": float("nan")})
+    acc.end_minibatch()
+    out = acc.result()
+    assert "shadow/stapo/grad_share" not in out and math.isnan(out["actor/entropy"])  # other NaNs stay visible

@@ -15,6 +15,10 @@ class MetricAccumulator:
     # the loss library normalises these by the mini-batch: each micro-batch holds its share
     SUM_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "stapo/spurious_count",
                 "loss/response_tokens")
+    # NaN by design where a mini-batch has nothing to measure (a shadow's gradient share when every
+    # advantage is 0): the step's mean is over the mini-batches that have a value, not a 0 for the rest;
+    # every other NaN stays visible
+    UNDEFINED_OK = ("shadow/",)
 
     def __init__(self, gather=None) -> None:
         self.gather = gather or (lambda obj: [obj])
@@ -31,6 +35,8 @@ class MetricAccumulator:
         w = float(m.get("loss/response_tokens", 1.0)) or 0.0
         for k, v in m.items():
             v, kind = float(v), self.kind(k)
+            if v != v and k.startswith(self.UNDEFINED_OK):
+                continue
             acc = self.cur.setdefault(k, [float("-inf") if kind == "max" else 0.0, 0.0])
             if kind == "sum":
                 acc[0] += v
@@ -60,6 +66,12 @@ class MetricAccumulator:
     def result(self) -> dict[str, float]:
         if not self.mini:
             return {}
-        keys = set().union(*self.mini)
+        keys = set().union(*self.mini)  # an UNDEFINED_OK key no mini-batch had is not in it: not logged
         return {k: (max(m.get(k, float("-inf")) for m in self.mini) if self.kind(k) == "max"
-                    else sum(m.get(k, 0.0) for m in self.mini) / len(self.mini)) for k in keys}
+                    else self._mean(k)) for k in keys}
+
+    def _mean(self, k: str) -> float:
+        if not k.startswith(self.UNDEFINED_OK):
+            return sum(m.get(k, 0.0) for m in self.mini) / len(self.mini)
+        have = [m[k] for m in self.mini if k in m]
+        return sum(have) / len(have)

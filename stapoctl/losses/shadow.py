@@ -5,7 +5,8 @@ Per shadow S (the tokens any of its rules takes), over the mini-batch's response
 
     shadow/<name>/token_share    |S| / |M|
     shadow/<name>/pos_adv_share  |S ∩ {Â > 0}| / |{Â > 0}|
-    shadow/<name>/grad_share     Σ_{t∈S} G_t / Σ_{t∈M} G_t
+    shadow/<name>/grad_share     Σ_{t∈S} G_t / Σ_{t∈M} G_t   (NaN in a mini-batch with no gradient: every
+                                 Â = 0; the step's value is the mean over the mini-batches that have one)
     shadow/<name>/abs_dlogp      mean over S of |log π_old − log π_behav|   (with behaviour log-probs)
 
 G_t is `diagnostics.lmhead_grad_norm` of the method's surrogate (passed in by `standard_metrics`).
@@ -31,10 +32,11 @@ SHADOW_PREFIX = "shadow/"
 MISMATCH = "rollout_corr/abs_dlogp"
 
 
-def _ratio(num: Tensor, den: Tensor) -> Tensor:
-    """num / den, 0 where den is 0 (an empty set has no share)."""
+def _ratio(num: Tensor, den: Tensor, empty: float = 0.0) -> Tensor:
+    """num / den; `empty` where den is 0 (an empty set has no share; no gradient at all has no
+    gradient share: NaN, which the learner's step mean leaves out rather than count as 0)."""
     den = den.float()
-    return torch.where(den > 0, num.float() / den.clamp(min=1e-30), 0.0)
+    return torch.where(den > 0, num.float() / den.clamp(min=1e-30), empty)
 
 
 def _masked_mean(x: Tensor, m: Tensor) -> Tensor:
@@ -64,7 +66,7 @@ def _shadow_values(batch: PolicyBatch, cfg: Any, rules: tuple, g: Tensor, dlogp)
     pos = batch.mask & (batch.adv > 0)
     g = torch.where(batch.mask, g.float(), 0.0)
     out = {"token_share": _ratio(s.sum(), batch.mask.sum()), "pos_adv_share": _ratio((s & pos).sum(), pos.sum()),
-           "grad_share": _ratio(torch.where(s, g, 0.0).sum(), g.sum())}
+           "grad_share": _ratio(torch.where(s, g, 0.0).sum(), g.sum(), empty=float("nan"))}
     if dlogp is not None:
         out["abs_dlogp"] = _masked_mean(dlogp, s)
     return out
