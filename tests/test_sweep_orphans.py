@@ -276,9 +276,15 @@ def test_a_killed_sweep_stops_its_real_trials_with_a_checkpoint(shared_home, tmp
         proc.kill()  # SIGKILL: the sweep cannot stop anything itself
         proc.wait()
 
+        def alive(pid: int) -> bool:
+            try:  # a process may exit between the two questions
+                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
         def tree_gone():
             """every process the sweep started has exited"""
-            return not [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            return not [p for p in tree if alive(p)]
         _wait(tree_gone, timeout=600)
     finally:
         for pid in tree:  # clean up before failing
