@@ -282,9 +282,8 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
                     raise
                 except AlarmStopped as exc:  # a result, not a gap: checkpointed, ended KILLED; the sweep goes on
                     child = store.client(uri).get_run(attempt_run(sweep_id, trial, records, resume, uri, since))
-                    reused = bool(session.engines is not None and session.engines.info.get("reused"))
                     outcomes[trial.index] = out = alarm_outcome(trial, child, time.perf_counter() - t0,
-                                                                "reused" if reused else "started")
+                                                                _engines(session))
                     view.finish(alarm_line(f"trial {trial.index + 1}/{len(trials)} {trial.run_name}", out,
                                            list(exc.alarms)))
                     continue
@@ -341,14 +340,19 @@ def _record_success(trial: Trial, summary: dict, session, sweep_id: str, uri: Op
                     wall: float) -> Outcome:
     """Timing metrics on the child and the parent; FINISHED only with last-step validation."""
     run_id = summary["run_id"]
-    reused = bool(session.engines is not None and session.engines.info.get("reused"))
-    store.client(uri).set_tag(run_id, layout.ENGINES_REUSED, str(reused).lower())
+    engines = _engines(session)
+    store.client(uri).set_tag(run_id, layout.ENGINES_REUSED, str(engines == "reused").lower())
     timing = store.log_trial_timing(sweep_id, run_id, trial.index, uri, since, wall)
     ok = store.trial_finished(store.client(uri).get_run(run_id), uri)
     if not ok:
         store.end_child(run_id, uri, "FAILED", "ended without validation metrics at its last step")
     return Outcome(trial, "FINISHED" if ok else "FAILED", run_id, final_val(summary), wall,
-                   timing[layout.M_OVERHEAD], "reused" if reused else "started")
+                   timing[layout.M_OVERHEAD], engines)
+
+
+def _engines(session) -> str:
+    """How the trial that just ended got its engines: "reused" from the trial before, or "started"."""
+    return "reused" if session.engines is not None and session.engines.info.get("reused") else "started"
 
 
 def print_plan(definition: SweepDefinition, trials: list[Trial], console: Console) -> None:
