@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
+from stapoctl.errors import AlarmStopped
+
 
 def check_config(conf: DictConfig, *, here: bool = True) -> None:
     """Everything that would otherwise fail minutes in, inside an actor (see `config.validate`).
@@ -223,6 +225,8 @@ def running_engines(conf: DictConfig, policy_path: str, resume_dir: Optional[Pat
                           + ("; learner MKL: AVX-512 kernels on AMD (cluster.mkl_amd_shim)"
                              if info.get("mkl", {}).get("amd_shim") else ""))
         yield engines, scorer
+    except AlarmStopped:  # a clean stop (its step ended, checkpointed): the next trial reuses the engines
+        raise
     except BaseException:
         if not own:
             session.discard()  # a failed run may leave its engines mid-step
