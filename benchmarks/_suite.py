@@ -29,6 +29,7 @@ FIRST = ("token_stats_memory", "loss_overhead", "learning", "rl_step")
 NOT_IN_ALL = (
     "sweep_overhead",  # per-trial overhead of a sweep on reused engines (docs/SWEEPS.md), ~6 min
     "sweep_summary",  # a report over a finished sweep: needs its id
+    "grid_shares",  # docs/RESULTS.md's token-grid mechanism table: a report over a finished grid sweep
     "gpu_learner",  # the learner step on a CUDA GPU (results/gpu/): `all` runs on the machine at hand
     "gpu_kit",  # a lent GPU's one call: learner memory vs the plan, CUDA IPC, NCCL (results/gpu/)
 )

@@ -140,6 +140,7 @@ def test_bench_all_runs_every_side_by_side_script_and_only_those():
     scripts = _suite.scripts()
     assert list(scripts)[:4] == list(_suite.FIRST)  # cheap ones first
     assert "sweep_summary" not in scripts and "sweep_overhead" not in scripts and "gpu_learner" not in scripts
+    assert "grid_shares" not in scripts  # a report over a finished sweep, like sweep_summary
     for name, path in scripts.items():  # `bench all --quick` passes --quick to every script it runs
         assert "--quick" in path.read_text(), name
 
