@@ -8,9 +8,14 @@ measuring pass equals vLLM's log-probs of the rollout it trains on (`rollout/log
 fp32; each worker's too), and after every run — asynchronous ones included — every worker (every TP
 rank computes part of each log-prob) scores fixed sequences as the learner does.
 
-Step 1 samples with the weights vLLM loaded from disk, before any push; there the canary read 6.9e-4
-twice in full-suite runs on fresh engines (and < 1e-5 in every other run): not a transport effect,
-not explained yet, so step 1 is held to 1e-3 and runs on different engines are compared to 1e-6.
+Step 1 of the first run on fresh engines: there the canary reads 6.3e-4 or 6.9e-4 in about one
+start in three (< 1e-5 in every other run). Not a transport effect: dumped side by side, the rollout
+batch of such a step (tokens, vLLM's log-probs) is bit-identical to a good start's, and fresh engines
+score fixed sequences as the learner does before any push; it is the *learner's* measuring pass of
+that first step that differs, on whole micro-batches (groups of 8 rows; their first response token
+too), by up to 7e-4 — with the same weights, threads and matmul precision as a good start. Not
+explained yet, so step 1 is held to 1e-3, a first run's learner metrics are compared to 1e-4 (its
+rollouts exactly) and exact comparisons are made between runs on reused engines.
 """
 
 from __future__ import annotations
@@ -131,24 +136,32 @@ def test_gloo_runs_agree_with_the_learner_in_sync_and_async_mode(runs, layout):
 
 def test_a_second_trial_on_reused_engines_starts_from_the_reset_weights(runs):
     """Trial 2 repeats trial 1's config on the same engines after two trained runs: if the push after
-    the learner's reset sent the old module, its first rollout would come from trained weights."""
-    first = runs["two"]["sync"]["run_id"]
+    the learner's reset sent the old module, its first rollout would come from trained weights.
+    Its step 1 equals the async run's (also reset and pushed to, after the sync run; the same step-1
+    rollout and update); against trial 1, the first run on fresh engines, see the module docstring."""
+    first, after_reset = runs["two"]["sync"]["run_id"], runs["two"]["async"]["run_id"]
     second = runs["two"]["trial2"]["run_id"]
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
-        assert history(runs["uri"], second, key)[1] == pytest.approx(history(runs["uri"], first, key)[1],
-                                                                     rel=1e-5, abs=1e-6), key
+        assert history(runs["uri"], second, key)[1] == pytest.approx(history(runs["uri"], after_reset, key)[1],
+                                                                     rel=1e-6, abs=1e-7), key
+    for key in ("critic/score/mean", "response_length/mean"):  # trial 1's rollout, exactly
+        assert history(runs["uri"], second, key)[1] == history(runs["uri"], first, key)[1], key
     assert history(runs["uri"], second, "rollout/logprob_diff_max")[1] < 1e-4
 
 
 def test_gloo_and_the_object_store_train_the_same_bits(runs):
-    """Same seed, same workers, other engines: every step's loss agrees (the same bits at every one of
-    the default run's 60 steps in `stapoctl train` runs; bit identity of a push: test_weight_transport)."""
+    """Same seed, same workers, other engines: every step's rollout is the same and its loss agrees
+    (the same bits at every one of the default run's 60 steps in `stapoctl train` runs; bit identity of
+    a push: test_weight_transport). Both are first runs on fresh engines: learner metrics to 1e-4
+    (module docstring; measured: 5e-5 at step 1, 6e-6 at step 2 when one start is off)."""
     gloo, store = runs["two"]["sync"]["run_id"], runs["store"]["sync"]["run_id"]
     assert runs["store"]["sync"]["method"] == "object_store"
+    for key in ("critic/score/mean", "response_length/mean"):
+        assert history(runs["uri"], gloo, key) == history(runs["uri"], store, key), key
     for key in ("actor/pg_loss", "actor/grad_norm"):
         a, b = history(runs["uri"], gloo, key), history(runs["uri"], store, key)
         assert sorted(a) == sorted(b) == [1, 2], (a, b)
-        assert all(a[s] == pytest.approx(b[s], rel=1e-5, abs=1e-6) for s in a), (key, a, b)
+        assert all(a[s] == pytest.approx(b[s], rel=1e-4, abs=1e-6) for s in a), (key, a, b)
 
 
 def test_tensor_parallel_2_with_the_object_store(runs):
