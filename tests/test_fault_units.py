@@ -234,6 +234,22 @@ def test_first_signal_waits_for_the_step_second_aborts():
     assert signal.getsignal(signal.SIGINT) is before  # the handler in place before is back
 
 
+def test_the_same_signal_again_at_once_is_the_same_stop():
+    """A burst (a dying sweep's parent-death signals) is one stop; the same signal later aborts."""
+    from stapoctl.trainer.signals import SAME_STOP_S, GracefulStop
+
+    with GracefulStop() as stop:
+        stop.in_loop, stop.step = True, 3
+        for _ in range(3):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+        assert stop.requested == signal.SIGTERM and not stop.aborted
+        stop.received_at -= SAME_STOP_S  # a person's second SIGTERM, a second later
+        with pytest.raises(RunStopped, match="aborted during step 4"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+
+
 def test_before_the_loop_a_signal_aborts_at_once():
     from stapoctl.trainer.signals import GracefulStop
 

@@ -222,6 +222,61 @@ def test_a_trial_gets_one_sigterm_when_its_sweep_is_killed(tmp_path):
     assert late.returncode == 128 + signal.SIGTERM and said.read_text() == f"up\n{pid} SIGTERM"
 
 
+THREADED_MIDDLE = r"""
+import os, subprocess, sys, threading, time
+from stapoctl.sweep import orphans
+idle = threading.Event()
+for _ in range(8):  # a sweep has threads (MLflow's sender, rich's refresh, pools): the kernel reparents
+    threading.Thread(target=idle.wait, daemon=True).start()  # its orphan through them as they die
+p = subprocess.Popen(orphans.command(os.getpid(), [sys.executable, sys.argv[1], sys.argv[2]]))
+print(p.pid, flush=True)
+time.sleep(120)
+"""
+
+GRACEFUL_TRIAL = r"""
+import os, sys, time
+from stapoctl.errors import RunStopped
+from stapoctl.trainer.signals import GracefulStop
+out = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+def say(line):  # unbuffered: a handler may interrupt the main thread's own write
+    os.write(out, (line + "\n").encode())
+stop = GracefulStop()
+handle = stop._handle
+stop._handle = lambda signum, frame: (say(f"signal {signum}"), handle(signum, frame))
+stop.install()
+stop.in_loop = True  # a step is running
+say("up")
+try:
+    while not stop.requested:
+        time.sleep(0.005)
+    time.sleep(0.5)  # the rest of the step: the other parent-death signals arrive meanwhile
+    say("stopped after the step")
+except RunStopped as exc:
+    say(f"aborted: {exc}")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
+def test_a_dying_sweeps_burst_of_parent_death_signals_is_one_stop(tmp_path):
+    """The kernel sends the parent-death signal each time it reparents the orphan, once per thread of
+    the dying sweep it passes through: measured 2-4 SIGTERMs within 2 ms. The trainer's signal handler
+    takes the burst as one stop — it ends its step (and checkpoints) instead of aborting."""
+    script, said = tmp_path / "trial.py", tmp_path / "said"
+    script.write_text(GRACEFUL_TRIAL)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    middle = subprocess.Popen([sys.executable, "-c", THREADED_MIDDLE, str(script), str(said)],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    pid = int(middle.stdout.readline())
+    _wait(lambda: said.exists() and "up" in said.read_text(), timeout=60)
+    middle.kill()
+    middle.wait()
+    _wait(lambda: "stopped" in said.read_text() or "aborted" in said.read_text(), timeout=30)
+    lines = said.read_text().splitlines()
+    assert lines[-1] == "stopped after the step", lines
+    assert lines.count(f"signal {int(signal.SIGTERM)}") >= 1, lines
+    _wait(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, timeout=30)
+
+
 def test_a_resume_waits_for_a_trial_still_writing_its_checkpoint(tmp_path):
     """Its run dir is locked by the stopping trainer: the resume says so in one line."""
     from types import SimpleNamespace

@@ -9,6 +9,10 @@ across the `exec` of CMD (same pid: the sweep still watches and signals the tria
 than the trainer polling `os.getppid()`: it needs no code in the trainer (the same for every
 command a launcher starts, test stand-ins included), no thread that a busy step could starve,
 and it fires at once. Where there is no prctl, this process stays as CMD's parent and polls.
+
+The kernel sends that signal each time it reparents CMD — once per thread of the dying sweep it
+passes through — so one death is a burst of SIGTERMs within milliseconds; the trainer takes a
+repeat that close as the same stop (`trainer/signals.py`), not as a person's second one.
 """
 
 from __future__ import annotations

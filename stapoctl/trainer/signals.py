@@ -11,6 +11,12 @@ shut down (vLLM before Ray, so no /dev/shm segment outlives them) and the proces
 left RUNNING. Before the first step (engines starting) there is nothing to finish: the first
 signal aborts.
 
+The same signal again within `SAME_STOP_S` of the first is that stop, not a second one: when a
+sweep that started this trainer dies, the kernel sends the parent-death signal (`sweep/orphans.py`)
+once per thread of the dying sweep the trainer is reparented through — up to 8 SIGTERMs within a
+few ms here (tests/test_sweep_orphans.py) — and a scheduler may signal both a job's shell and its steps. A person's second Ctrl-C comes
+later than that; the console says so when one is absorbed.
+
 Ray's `ray.init` installs its own SIGTERM handler (it exits the process); `install()` is
 called again once the engines are up so ours stays in charge.
 """
@@ -25,6 +31,7 @@ from typing import Any, Optional
 from stapoctl.errors import RunStopped
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+SAME_STOP_S = 1.0  # a repeat of the first signal sooner than this is the same stop (module docstring)
 
 
 def signal_name(signum: int) -> str:
@@ -46,6 +53,7 @@ class GracefulStop:
         self.step = 0
         self.last_step_s = 0.0
         self.received_at: Optional[float] = None
+        self._absorbed = False  # a repeat within SAME_STOP_S was said once
         self._previous: dict[int, Any] = {}
 
     # -- installation -----------------------------------------------------------------------
@@ -99,6 +107,12 @@ class GracefulStop:
             self.requested, self.received_at = signum, time.monotonic()
             self._say(f"{name}: stopping after step {self.step + 1} (the last step took {self.last_step_s:.1f} s), "
                       f"then a checkpoint and exit; {name} again aborts at once without it")
+            return
+        if (signum == self.requested and self.received_at is not None and not self.aborted
+                and time.monotonic() - self.received_at < SAME_STOP_S):
+            if not self._absorbed:
+                self._absorbed = True
+                self._say(f"{name} again within {SAME_STOP_S:.0f} s: the same stop (send it again later to abort)")
             return
         self.requested = self.requested or signum
         self.aborted = True
