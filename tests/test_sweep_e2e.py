@@ -60,6 +60,7 @@ def _wait_for_second_trial_step(client, proc, log: Path, timeout_s: float = 420)
 def sweep(tmp_path_factory, shared_home):
     import mlflow
     import psutil
+    from procs import alive
     from rich.console import Console
 
     from stapoctl.sweep.runner import sweep_command
@@ -85,7 +86,7 @@ def sweep(tmp_path_factory, shared_home):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     time.sleep(2)
-    leftovers = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    leftovers = [p for p in tree if alive(p)]
     for pid in leftovers:  # clean up before failing on them
         os.kill(pid, signal.SIGKILL)
     after_kill = {r.info.run_id: (r.data.tags.get("stapoctl.trial"), r.info.status, dict(r.data.tags))

@@ -22,6 +22,7 @@ from pathlib import Path
 import mlflow
 import psutil
 import pytest
+from procs import alive
 from rich.console import Console
 
 from stapoctl.sweep import layout, store
@@ -140,19 +141,9 @@ def test_a_killed_sweep_leaves_no_trial_running_and_its_resume_finishes_it(tmp_p
     evs = _events(log)
     pids = {e["pid"] for e in evs}
 
-    def alive() -> list[int]:
-        out = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    out.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        return out
-
     def all_gone():
         """no trial process alive"""
-        return not alive()
+        return not [pid for pid in pids if alive(pid)]
     _wait(all_gone, timeout=30)  # they exit right after their last words (no process is left behind)
     ends = {e["index"]: e for e in evs if e["event"] == "end"}
     assert ends[0]["status"] == "FINISHED" and ends[1]["status"] == ends[2]["status"] == "KILLED", ends
@@ -215,7 +206,7 @@ def test_a_trial_gets_one_sigterm_when_its_sweep_is_killed(tmp_path):
     middle.wait()
     _wait(lambda: "SIGTERM" in said.read_text(), timeout=30)
     assert said.read_text() == f"up\n{pid} SIGTERM"
-    _wait(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, timeout=30)
+    _wait(lambda: not alive(pid), timeout=30)
     # a sweep already gone when the wrapper starts: the trial never runs
     late = subprocess.run(orphans.command(os.getpid() + 10**7, [sys.executable, str(script), str(said)]), env=env,
                           timeout=60)
@@ -274,7 +265,7 @@ def test_a_dying_sweeps_burst_of_parent_death_signals_is_one_stop(tmp_path):
     lines = said.read_text().splitlines()
     assert lines[-1] == "stopped after the step", lines
     assert lines.count(f"signal {int(signal.SIGTERM)}") >= 1, lines
-    _wait(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, timeout=30)
+    _wait(lambda: not alive(pid), timeout=30)
 
 
 def test_a_resume_waits_for_a_trial_still_writing_its_checkpoint(tmp_path):
@@ -330,12 +321,6 @@ def test_a_killed_sweep_stops_its_real_trials_with_a_checkpoint(shared_home, tmp
         tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         proc.kill()  # SIGKILL: the sweep cannot stop anything itself
         proc.wait()
-
-        def alive(pid: int) -> bool:
-            try:  # a process may exit between the two questions
-                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return False
 
         def tree_gone():
             """every process the sweep started has exited"""

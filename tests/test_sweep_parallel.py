@@ -198,6 +198,7 @@ def test_ctrl_c_stops_every_trial_and_leaves_no_run_running(world, monkeypatch):
     """Trial 1 ends its step and its run KILLED by itself; trial 2 ignores the signal, is killed
     when the stop's time is up, and its run is ended KILLED for it."""
     import psutil
+    from procs import alive
 
     from stapoctl.sweep import launchers
 
@@ -229,7 +230,7 @@ def test_ctrl_c_stops_every_trial_and_leaves_no_run_running(world, monkeypatch):
     assert [(e["index"], e["status"]) for e in ends] == [(0, "KILLED")]  # trial 2 never got to end itself
     assert "stopping the trials at once" in log and f"resume={parent.info.run_id[:8]}" in log
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before
-    assert not [p for p in left if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in left if alive(p)]
 
 
 def test_k_trials_that_do_not_fit_here_are_refused_in_one_line(world):

@@ -96,6 +96,7 @@ def _wait_until_both_trials_stepped(client, proc, log: Path, timeout_s: float = 
 def test_ctrl_c_stops_a_parallel_sweep_here_and_leaves_no_run_running(shared_home, tmp_path):
     import mlflow
     import psutil
+    from procs import alive
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {**os.environ, "STAPOCTL_HOME": str(shared_home.home), "PYTHONPATH": str(ROOT), "COLUMNS": "160",
@@ -119,7 +120,7 @@ def test_ctrl_c_stops_a_parallel_sweep_here_and_leaves_no_run_running(shared_hom
                 proc.kill()
                 proc.wait()
     time.sleep(2)
-    leftovers = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    leftovers = [p for p in tree if alive(p)]
     for pid in leftovers:  # clean up before failing on them
         os.kill(pid, signal.SIGKILL)
     text = log.read_text()
