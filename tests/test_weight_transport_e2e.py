@@ -13,9 +13,11 @@ start in three (< 1e-5 in every other run). Not a transport effect: dumped side 
 batch of such a step (tokens, vLLM's log-probs) is bit-identical to a good start's, and fresh engines
 score fixed sequences as the learner does before any push; it is the *learner's* measuring pass of
 that first step that differs, on whole micro-batches (groups of 8 rows; their first response token
-too), by up to 7e-4 — with the same weights, threads and matmul precision as a good start. Not
-explained yet, so step 1 is held to 1e-3, a first run's learner metrics are compared to 1e-4 (its
-rollouts exactly) and exact comparisons are made between runs on reused engines.
+too), by up to 7e-4 — with the same weights, threads and matmul precision as a good start. The
+first-forward effect docs/PERFORMANCE.md describes under the MKL shim, here without it: the learner
+now spends it on a discarded forward on every CPU (0 of 6 starts off after, 8 of 16 before). Its
+cause is not known, so step 1 stays held to 1e-3, a first run's learner metrics are compared to
+1e-4 (its rollouts exactly) and exact comparisons pair runs on reused engines.
 """
 
 from __future__ import annotations

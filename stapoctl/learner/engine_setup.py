@@ -180,20 +180,21 @@ class EngineSetup:
         self.use_cuda = use_cuda
 
     def _take_first_forward(self) -> bool:
-        """Whether the MKL shim is loaded; if so (on CPU), spends its first-use effect on a
-        discarded forward so that no measured one gets it."""
+        """Whether the MKL shim is loaded. On CPU, spends the first-use effect of the learner
+        process's first forward on a discarded one, so that no measured forward gets it."""
         import torch
 
         from stapoctl.launch import mkl_shim
 
         shim = mkl_shim.loaded_here()
-        if shim and not self.use_cuda:
-            # Under the MKL shim the first forward of a learner process came out slightly off in
-            # ~30% of runs (log-probs up to 7.6e-4 from vLLM's, against 5e-6 at every later step,
-            # and never without the shim): a first-use effect in MKL's AVX-512 path on this AMD
-            # CPU, once per process (a sweep's reset needs none). A discarded forward here takes it
-            # (10 of 10 runs clean after, see docs/PERFORMANCE.md); the sync canary of
-            # tests/test_train_e2e.py watches for it.
+        if not self.use_cuda:
+            # The first forward pass of a learner process came out slightly off in ~30% of runs:
+            # log-probs up to 7.6e-4 from vLLM's, against 5e-6 at every later step, on whole
+            # micro-batches, with the rollout bit-identical. First seen under the MKL shim on an
+            # AMD CPU, then without it on an Intel one (tests/test_weight_transport_e2e.py). It
+            # happens once per process; a sweep's reset does not need it. A discarded forward
+            # here takes it (see docs/PERFORMANCE.md). The sync canary of tests/test_train_e2e.py
+            # watches for it.
             with torch.no_grad():
                 self.module(input_ids=torch.ones(2, 8, dtype=torch.long))
         return shim
