@@ -15,7 +15,7 @@ score fixed sequences as the learner does before any push; it is the *learner's*
 that first step that differs, on whole micro-batches (groups of 8 rows; their first response token
 too), by up to 7e-4 — with the same weights, threads and matmul precision as a good start. The
 first-forward effect docs/PERFORMANCE.md describes under the MKL shim, here without it: the learner
-now spends it on a discarded forward on every CPU (0 of 6 starts off after, 8 of 16 before). Its
+now spends it on a discarded forward on every CPU (benchmarks/_first_step_canary.py). Its
 cause is not known, so step 1 stays held to 1e-3, a first run's learner metrics are compared to
 1e-4 (its rollouts exactly) and exact comparisons pair runs on reused engines.
 """
