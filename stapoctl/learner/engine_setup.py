@@ -188,13 +188,13 @@ class EngineSetup:
 
         shim = mkl_shim.loaded_here()
         if not self.use_cuda:
-            # The first forward pass of a learner process came out slightly off in ~30% of runs:
-            # log-probs up to 7.6e-4 from vLLM's, against 5e-6 at every later step, on whole
-            # micro-batches, with the rollout bit-identical. First seen under the MKL shim on an
-            # AMD CPU, then without it on an Intel one (tests/test_weight_transport_e2e.py). It
-            # happens once per process; a sweep's reset does not need it. A discarded forward
-            # here takes it (see docs/PERFORMANCE.md). The sync canary of tests/test_train_e2e.py
-            # watches for it.
+            # The first forward pass of a learner process sometimes came out slightly off (~30% of
+            # runs under the MKL shim on an AMD CPU; 1 of 8 to 8 of 16 starts without it on an
+            # Intel one): log-probs up to 7.6e-4 from vLLM's, against 5e-6 at every later step,
+            # on whole micro-batches, with the rollout bit-identical. Once per process; a sweep's
+            # reset does not need it. A discarded forward here takes it (docs/PERFORMANCE.md,
+            # `python benchmarks/_first_step_canary.py`); the sync canary of
+            # tests/test_train_e2e.py watches for it.
             with torch.no_grad():
                 self.module(input_ids=torch.ones(2, 8, dtype=torch.long))
         return shim

@@ -14,8 +14,8 @@ signal aborts.
 The same signal again within `SAME_STOP_S` of the first is that stop, not a second one: when a
 sweep that started this trainer dies, the kernel sends the parent-death signal (`sweep/orphans.py`)
 once per thread of the dying sweep the trainer is reparented through — up to 8 SIGTERMs within a
-few ms here (tests/test_sweep_orphans.py) — and a scheduler may signal both a job's shell and its steps. A person's second Ctrl-C comes
-later than that; the console says so when one is absorbed.
+few ms here (tests/test_sweep_orphans.py). A person's second Ctrl-C comes later than that; the
+console says so when a repeat is absorbed.
 
 Ray's `ray.init` installs its own SIGTERM handler (it exits the process); `install()` is
 called again once the engines are up so ours stays in charge.
@@ -106,7 +106,7 @@ class GracefulStop:
         if self.requested is None and self.in_loop:
             self.requested, self.received_at = signum, time.monotonic()
             self._say(f"{name}: stopping after step {self.step + 1} (the last step took {self.last_step_s:.1f} s), "
-                      f"then a checkpoint and exit; {name} again aborts at once without it")
+                      f"then a checkpoint and exit; {name} again (a second or more later) aborts at once without it")
             return
         if (signum == self.requested and self.received_at is not None and not self.aborted
                 and time.monotonic() - self.received_at < SAME_STOP_S):
