@@ -179,6 +179,22 @@ def test_a_killed_sweep_leaves_no_trial_running_and_its_resume_finishes_it(tmp_p
         {"0": "FINISHED", "1": "FINISHED", "2": "FINISHED"}
 
 
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+
+def _orphan_of_a_killed_sweep(middle_code: str, script: Path, said: Path, env: dict) -> int:
+    """Start the stand-in sweep `middle_code` (it starts `script` through the orphans wrapper and
+    prints its pid), wait until the trial says "up", SIGKILL the sweep; the trial's pid."""
+    middle = subprocess.Popen([sys.executable, "-c", middle_code, str(script), str(said)], stdout=subprocess.PIPE,
+                              text=True, env=env)
+    pid = int(middle.stdout.readline())
+    _wait(lambda: said.exists() and "up" in said.read_text(), timeout=60)
+    middle.kill()
+    middle.wait()
+    return pid
+
+
 MIDDLE = r"""
 import os, subprocess, sys, time
 from stapoctl.sweep import orphans
@@ -197,13 +213,8 @@ def test_a_trial_gets_one_sigterm_when_its_sweep_is_killed(tmp_path):
     script.write_text("import os, signal, sys, time\nout = open(sys.argv[1], 'a')\n"
                       "signal.signal(signal.SIGTERM, lambda s, f: (out.write(f'{os.getpid()} SIGTERM'), out.close(),"
                       " sys.exit(143)))\nout.write('up\\n'); out.flush()\ntime.sleep(60)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    middle = subprocess.Popen([sys.executable, "-c", MIDDLE, str(script), str(said)], stdout=subprocess.PIPE,
-                              text=True, env=env)
-    pid = int(middle.stdout.readline())
-    _wait(lambda: said.exists() and "up" in said.read_text(), timeout=60)
-    middle.kill()
-    middle.wait()
+    env = _env()
+    pid = _orphan_of_a_killed_sweep(MIDDLE, script, said, env)
     _wait(lambda: "SIGTERM" in said.read_text(), timeout=30)
     assert said.read_text() == f"up\n{pid} SIGTERM"
     _wait(lambda: not alive(pid), timeout=30)
@@ -250,17 +261,11 @@ except RunStopped as exc:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
 def test_a_dying_sweeps_burst_of_parent_death_signals_is_one_stop(tmp_path):
     """The kernel sends the parent-death signal each time it reparents the orphan, once per thread of
-    the dying sweep it passes through: measured 2-4 SIGTERMs within 2 ms. The trainer's signal handler
+    the dying sweep it passes through: 1 to 8 SIGTERMs within a few ms here. The trainer's signal handler
     takes the burst as one stop — it ends its step (and checkpoints) instead of aborting."""
     script, said = tmp_path / "trial.py", tmp_path / "said"
     script.write_text(GRACEFUL_TRIAL)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    middle = subprocess.Popen([sys.executable, "-c", THREADED_MIDDLE, str(script), str(said)],
-                              stdout=subprocess.PIPE, text=True, env=env)
-    pid = int(middle.stdout.readline())
-    _wait(lambda: said.exists() and "up" in said.read_text(), timeout=60)
-    middle.kill()
-    middle.wait()
+    pid = _orphan_of_a_killed_sweep(THREADED_MIDDLE, script, said, _env())
     _wait(lambda: "stopped" in said.read_text() or "aborted" in said.read_text(), timeout=30)
     lines = said.read_text().splitlines()
     assert lines[-1] == "stopped after the step", lines
