@@ -52,7 +52,7 @@ def test_the_protocol_names_what_moves_accuracy(protocols):
     assert p["benches"]["toy"]["generator"]["num_heldout"] == 16 and p["benches"]["toy"]["generator"]["seed"] == 1234
     assert p["max_tokens"] == conf.eval.max_response_length
     assert p["prompt"] == {"template": "chat", "instruction": conf.data.instruction}
-    assert p["verifier"]["name"] == "dapo_rule_verifier" and p["verifier"]["version"] == 1
+    assert p["verifier"]["name"] == "dapo_rule_verifier" and p["verifier"]["version"] == 2  # 2: list golds
     assert p["answer_extraction"]["version"] == 1
     # the problems' sha256 is over [id, problem, answer] lines, recomputed here
     from stapoctl.data.toy import rows

@@ -60,7 +60,8 @@ def _runner(*, buffer=4, factor=1.0, filtered=False):
     from stapoctl.trainer.step_runner import StepRunner
 
     class Scorer:  # every response right: rule reward 1
-        def score(self, texts, answers, questions):
+        def score(self, texts, answers, questions, kinds=None):
+            self.kinds = kinds
             return [1.0] * len(texts), {"reward/accuracy": 1.0}
 
     class Engines:
@@ -80,7 +81,7 @@ def _runner(*, buffer=4, factor=1.0, filtered=False):
         "trainer": {"diagnostics_every": 0},
     })
     runner.scorer, runner.engines = Scorer(), Engines()
-    runner.answers, runner.questions = ["1", "2"], ["q1", "q2"]
+    runner.answers, runner.questions, runner.kinds = ["1", "2"], ["q1", "q2"], None
     runner.loss_cfg = {"name": "dr_grpo"}  # advantage = R - group mean: easy to check by hand
     runner.old_source, runner.start_step, runner.learner_version, runner._worker_rows = "recompute", 0, 0, []
     return runner

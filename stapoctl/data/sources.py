@@ -1,4 +1,4 @@
-"""Where each dataset comes from and how its rows become {id, problem, answer, ...}.
+"""Where each dataset comes from and how its rows become {id, problem, answer, answer_kind, ...}.
 
 One table of sources (hub id, split, local file names) and one normalizer that accepts the
 schemas met in practice: the hub's DAPO-Math-17k (chat-message `prompt` in DAPO's
@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from stapoctl.data.answer_kinds import answer_kind
 from stapoctl.errors import UserError
+from stapoctl.reward.lists import KINDS
 
 
 @dataclass(frozen=True)
@@ -200,8 +202,19 @@ def normalize(source: Source, raw: Any, index: int) -> dict:
     extra = {k: v for k, v in raw.items() if k not in ("id", "problem", "answer", "prompt", PREPPED)}
     if "prompt" in raw and PREPPED not in raw and "source_prompt" not in raw:
         extra["source_prompt"] = raw["prompt"]  # the source's own wrapping (e.g. DAPO's "Answer:")
-    row_id = raw.get("id") or raw.get("unique_id") or _hub_index(raw) or f"{source.name}-{index}"
-    return {"id": str(row_id), "problem": problem.strip(), "answer": answer, **extra}
+    row_id = str(raw.get("id") or raw.get("unique_id") or _hub_index(raw) or f"{source.name}-{index}")
+    extra["answer_kind"] = _answer_kind(raw, row_id, problem, answer)
+    return {"id": row_id, "problem": problem.strip(), "answer": answer, **extra}
+
+
+def _answer_kind(raw: dict, row_id: str, problem: str, answer: str) -> str:
+    """A row's own `answer_kind` (a prepped file's, or the user's), else the project's decision."""
+    given = raw.get("answer_kind")
+    if given is None:
+        return answer_kind(row_id, problem, answer)
+    if given not in KINDS:
+        raise MalformedRow(f"answer_kind {given!r} is not one of {', '.join(KINDS)} (fix it, or drop the field)")
+    return given
 
 
 def _hub_index(raw: dict) -> str | None:

@@ -192,6 +192,7 @@ def tokenizer_corpus(toy_cfg, instruction: str, count: int = 4000, seed: int = 0
 def rows(toy_cfg, split: str) -> list[dict]:
     """Source rows (before templating) in the normalized schema."""
     return [
-        {"id": p.id, "problem": p.problem, "answer": str(p.answer), "a": p.a, "b": p.b, "c": p.c}
+        {"id": p.id, "problem": p.problem, "answer": str(p.answer), "answer_kind": "scalar", "a": p.a, "b": p.b,
+         "c": p.c}
         for p in problems(toy_cfg, split)
     ]

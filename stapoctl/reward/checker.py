@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from stapoctl.reward.equivalence import DEFAULT_TIMEOUT_S, equivalent_unbounded, quick_verdict
+from stapoctl.reward.lists import check_kind
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 _READY_TIMEOUT_S = 180.0  # importing sympy on a busy 2-core machine can take a while
@@ -50,12 +51,13 @@ class _Child:
         self.task: int | None = None  # index of the check in flight
         self.deadline = 0.0
 
-    def send(self, index: int, pred: str, ref: str, timeout_s: float) -> bool:
+    def send(self, index: int, pred: str, ref: str, kind: str | None, timeout_s: float) -> bool:
         """Hand one check to the child; False when it has died meanwhile (the pipe is closed)."""
         self.task = index
         self.deadline = time.monotonic() + timeout_s
+        request = {"id": index, "pred": pred, "ref": ref, "kind": kind}
         try:
-            self.proc.stdin.write((json.dumps({"id": index, "pred": pred, "ref": ref}) + "\n").encode())
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
         except OSError:  # BrokenPipeError: the crash shows up here before the read sees EOF
             return False
@@ -98,41 +100,50 @@ class EquivalenceChecker:
         while len(self._children) < self.num_workers:
             self._children.append(_Child(self.max_memory_gb))
 
-    def check(self, predicted: str, reference: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[bool, bool]:
+    def check(self, predicted: str, reference: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+              kind: str | None = None) -> tuple[bool, bool]:
         """(equivalent, timed_out) for one pair."""
-        return self.check_many([(predicted, reference)], timeout_s)[0]
+        return self.check_many([(predicted, reference)], timeout_s, [kind])[0]
 
     def check_many(
-        self, pairs: Sequence[tuple[str, str]], timeout_s: float = DEFAULT_TIMEOUT_S
+        self, pairs: Sequence[tuple[str, str]], timeout_s: float = DEFAULT_TIMEOUT_S,
+        kinds: Sequence[str | None] | None = None,
     ) -> list[tuple[bool, bool]]:
         """(equivalent, timed_out) per pair; a check past `timeout_s` counts as not equivalent."""
-        return [(ok, timed_out) for ok, timed_out, _ in self.check_detailed(pairs, timeout_s)]
+        return [(ok, timed_out) for ok, timed_out, _ in self.check_detailed(pairs, timeout_s, kinds)]
 
     def check_detailed(
-        self, pairs: Sequence[tuple[str, str]], timeout_s: float = DEFAULT_TIMEOUT_S
+        self, pairs: Sequence[tuple[str, str]], timeout_s: float = DEFAULT_TIMEOUT_S,
+        kinds: Sequence[str | None] | None = None,
     ) -> list[tuple[bool, bool, bool]]:
-        """(equivalent, timed_out, error) per pair; a timed-out or crashed check is not equivalent."""
+        """(equivalent, timed_out, error) per pair; a timed-out or crashed check is not equivalent.
+
+        `kinds`: each gold's answer kind (`reward.lists`: how a bare list gold compares; None
+        or left out: the gold's form decides)."""
+        kinds = list(kinds) if kinds is not None else [None] * len(pairs)
+        if len(kinds) != len(pairs):
+            raise ValueError(f"{len(kinds)} answer kinds for {len(pairs)} pairs")
         results: list[tuple[bool, bool, bool] | None] = [None] * len(pairs)
         pending = []
-        for i, (pred, ref) in enumerate(pairs):
-            quick = quick_verdict(pred, ref)
+        for i, ((pred, ref), kind) in enumerate(zip(pairs, kinds)):
+            quick = quick_verdict(pred, ref, check_kind(kind))
             if quick is None:
                 pending.append(i)
             else:
                 results[i] = (quick, False, False)
         if pending:
             with self._lock:
-                self._run(pairs, pending, results, timeout_s)
+                self._run(pairs, kinds, pending, results, timeout_s)
         return results  # type: ignore[return-value]
 
-    def _run(self, pairs, pending: list[int], results: list, timeout_s: float) -> None:
+    def _run(self, pairs, kinds: list, pending: list[int], results: list, timeout_s: float) -> None:
         self._ensure_children()
         queue = list(reversed(pending))
         while queue or any(c.task is not None for c in self._children):
             for child in list(self._children):
                 if child.ready and child.task is None and queue:
                     i = queue.pop()
-                    if not child.send(i, pairs[i][0], pairs[i][1], timeout_s):
+                    if not child.send(i, pairs[i][0], pairs[i][1], kinds[i], timeout_s):
                         self.errors += 1
                         self._replace(child, results, error=True)
             now = time.monotonic()
@@ -219,16 +230,18 @@ def shared_checker() -> EquivalenceChecker:
         return _shared
 
 
-def is_equivalent(predicted: str | None, reference: str, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> bool:
+def is_equivalent(predicted: str | None, reference: str, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                  kind: str | None = None) -> bool:
     """Whether a predicted final answer matches the reference (False on timeout).
 
     String-decidable cases return at once; the rest go to a shared verifier subprocess with a
-    hard `timeout_s` deadline (timeout_s=None: in-process, no limit).
+    hard `timeout_s` deadline (timeout_s=None: in-process, no limit). `kind`: the reference's
+    answer kind (scalar / multiset / tuple; None: the reference's form decides).
     """
-    quick = quick_verdict(predicted, reference)
+    quick = quick_verdict(predicted, reference, check_kind(kind))
     if quick is not None:
         return quick
     if timeout_s is None:
-        return equivalent_unbounded(predicted, reference)
-    verdict, _timed_out = shared_checker().check(predicted or "", reference, timeout_s)
+        return equivalent_unbounded(predicted, reference, kind)
+    verdict, _timed_out = shared_checker().check(predicted or "", reference, timeout_s, kind)
     return verdict

@@ -12,6 +12,8 @@ import re
 from fractions import Fraction
 from functools import lru_cache
 
+from stapoctl.reward.lists import check_kind, form_kind, match, split_list, unwrap
+
 # math-verify logs a warning on every call made with its signal timeout disabled.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
@@ -36,11 +38,17 @@ _ASSIGNMENT = re.compile(r"^\s*[A-Za-z](?:_\{?\w+\}?)?\s*=\s*(?P<rhs>[^=]+)$")
 _ROW_BREAK = "\x00"
 
 
-def normalize(answer: str) -> str:
-    """Canonical string form: layout-only LaTeX removed, units and separators dropped."""
+def normalize(answer: str, separators: str = "loose") -> str:
+    """Canonical string form: layout-only LaTeX removed, units and separators dropped.
+
+    `separators`: which commas read as thousands separators of a whole-number answer: "loose"
+    (also "8, 221": a prediction against a one-number gold), "tight" (only "8,221", "1{,}000",
+    "10,\\!080": a gold reads as one number only so) or "none" (a prediction against a list gold).
+    """
     s = answer.strip().replace("\x00", "")
     s = s.replace("\\\\", _ROW_BREAK)
     s = s.replace("\n", " ")
+    s = re.sub(r",\s*\\!\s*", ",", s)  # 11,\! 111: the source space after a separator is layout
     s = re.sub(r"\\left\b|\\right\b", "", s)
     s = re.sub(r"\\[!,;: ]|\\quad|\\qquad", "", s)  # spacing commands (\, also thin space in 1\,000)
     s = s.replace("{,}", ",")  # 1{,}000
@@ -56,7 +64,7 @@ def normalize(answer: str) -> str:
         s = _TEXT_WRAPPERS.sub(lambda m: m.group(1), s)
     s = _TRAILING_UNITS.sub("", s).strip()
     s = s.rstrip(".").strip()
-    if _THOUSANDS.match(s.replace(" ", "")):
+    if separators != "none" and _THOUSANDS.match(s if separators == "tight" else s.replace(" ", "")):
         s = s.replace(",", "").replace(" ", "")
     s = re.sub(r"\s+", " ", s).strip()
     return s.replace(_ROW_BREAK, "\\\\")
@@ -74,19 +82,45 @@ def _squash(s: str) -> str:
     return re.sub(r"\s+", "", s).lower()
 
 
-def quick_verdict(predicted: str | None, reference: str) -> bool | None:
-    """True/False when strings alone decide; None when a symbolic check is needed."""
-    if predicted is None:
-        return False
-    pred, ref = normalize(predicted), normalize(reference)
+def _forms(predicted: str, reference: str, kind: str | None) -> tuple[str, str, str, list[str]]:
+    """(prediction, gold, kind, gold items), normalized as the gold reads: a thousands separator
+    is one only where the gold is one number; against a list gold "5,125" is two items."""
+    ref = normalize(reference, "tight")
+    golds = split_list(ref)
+    if len(golds) == 1:
+        separators, kind = "loose", "scalar"
+    else:
+        separators, kind = "none", check_kind(kind) or form_kind(golds)
+    pred = normalize(_strip_assignment(normalize(predicted, separators), ref), separators)
+    return pred, ref, kind, golds
+
+
+def _quick(pred: str, ref: str) -> bool | None:
     if not pred or not ref:
         return False
-    pred = normalize(_strip_assignment(pred, ref))
     if _squash(pred) == _squash(ref):
         return True
     if _NUMBER.match(pred) and _NUMBER.match(ref):  # two plain numbers: exact rational compare
         return Fraction(pred) == Fraction(ref)
     return None
+
+
+def _item(pred: str, gold: str) -> str:
+    return normalize(_strip_assignment(pred, gold), "none")  # "x=1, x=3": each item's own assignment
+
+
+def quick_verdict(predicted: str | None, reference: str, kind: str | None = None) -> bool | None:
+    """True/False when strings alone decide; None when a symbolic check is needed.
+
+    `kind` (scalar / multiset / tuple, None: the gold's form decides) says how a bare list gold
+    compares (`reward.lists`); it does not apply to a gold that is not a bare list."""
+    if predicted is None:
+        return False
+    pred, ref, kind, golds = _forms(predicted, reference, kind)
+    if kind == "scalar" or _squash(pred) == _squash(ref):
+        return _quick(pred, ref)
+    items = match(kind, unwrap(pred, len(golds)), golds, _item_quick)
+    return False if items is False else None  # matching items still need math-verify's whole verdict
 
 
 @lru_cache(maxsize=8192)
@@ -111,15 +145,9 @@ def _parse(expr: str):
     return latex
 
 
-def equivalent_unbounded(predicted: str | None, reference: str) -> bool:
-    """The full check with no time limit: run it only where a deadline is enforced around it."""
-    quick = quick_verdict(predicted, reference)
-    if quick is not None:
-        return quick
+def _symbolic(pred: str, ref: str) -> bool:
     from math_verify import verify
 
-    ref = normalize(reference)
-    pred = normalize(_strip_assignment(normalize(predicted or ""), ref))
     gold, target = _parse(ref), _parse(pred)
     if not gold or not target:
         return False
@@ -127,3 +155,29 @@ def equivalent_unbounded(predicted: str | None, reference: str) -> bool:
         return bool(verify(gold, target, timeout_seconds=None))
     except Exception:  # a malformed expression sympy cannot compare is simply not equal
         return False
+
+
+def _item_quick(pred: str, gold: str) -> bool | None:
+    return _quick(_item(pred, gold), gold)
+
+
+def _item_equal(pred: str, gold: str) -> bool:
+    quick = _item_quick(pred, gold)
+    return quick if quick is not None else _symbolic(_item(pred, gold), gold)
+
+
+def equivalent_unbounded(predicted: str | None, reference: str, kind: str | None = None) -> bool:
+    """The full check with no time limit: run it only where a deadline is enforced around it.
+
+    A list gold's items must match as its kind says, and then the whole answer must pass
+    math-verify too (its set reading), so a list verdict is never more lenient than math-verify.
+    Both go to math-verify with ", " between items: it reads "5,125" as 5125, not as a list."""
+    quick = quick_verdict(predicted, reference, kind)
+    if quick is not None:
+        return quick
+    pred, ref, kind, golds = _forms(predicted or "", reference, kind)
+    if kind == "scalar":
+        return _symbolic(pred, ref)
+    if not match(kind, unwrap(pred, len(golds)), golds, _item_equal, _item_quick):
+        return False
+    return _symbolic(", ".join(split_list(pred)), ", ".join(golds))

@@ -25,8 +25,9 @@ class Verdict:
 
 
 # what an evaluation protocol records of the verifier (eval/protocol.py): bump the version whenever
-# a verdict could change (normalization, equivalence rules), so tables never mix the two
-VERIFIER = {"name": "dapo_rule_verifier", "version": 1}
+# a verdict could change (normalization, equivalence rules), so tables never mix the two.
+# 2: bare list golds compare as tuple / multiset by their answer kind, not as math-verify's set
+VERIFIER = {"name": "dapo_rule_verifier", "version": 2}
 
 
 class RewardPool:
@@ -54,13 +55,17 @@ class RewardPool:
         responses: Sequence[str],
         references: Sequence[str],
         questions: Sequence[str] | None = None,
+        kinds: Sequence[str | None] | None = None,
     ) -> list[Verdict]:
-        """Extract, check (in parallel, time-limited) and optionally let the verifier model correct."""
+        """Extract, check (in parallel, time-limited) and optionally let the verifier model correct.
+
+        `kinds`: each reference's answer kind as data prep wrote it (`answer_kind`: scalar /
+        multiset / tuple, how a bare list gold compares); None: each gold's form decides."""
         if len(responses) != len(references):
             raise ValueError(f"{len(responses)} responses but {len(references)} references")
         extracted = [extract_answer(r) for r in responses]
         pairs = [("" if e is None else e, ref) for e, ref in zip(extracted, references)]
-        checked = self.checker.check_detailed(pairs, self.timeout_s)
+        checked = self.checker.check_detailed(pairs, self.timeout_s, kinds)
         verdicts = [Verdict(e, ok and e is not None, to, err) for e, (ok, to, err) in zip(extracted, checked)]
         if self.model_verifier is not None and questions is not None:
             verdicts = self.model_verifier.correct(questions, references, responses, verdicts)
@@ -71,10 +76,11 @@ class RewardPool:
         responses: Sequence[str],
         references: Sequence[str],
         questions: Sequence[str] | None = None,
+        kinds: Sequence[str | None] | None = None,
     ) -> tuple[list[float], dict[str, float]]:
         """Rewards (correct/incorrect values from the config) and reward/* stats for the batch."""
         start = time.perf_counter()
-        verdicts = self.judge(responses, references, questions)
+        verdicts = self.judge(responses, references, questions, kinds)
         rewards = [self.correct if v.correct else self.incorrect for v in verdicts]
         n = max(1, len(verdicts))
         stats = {

@@ -2,7 +2,8 @@
 
 A separate interpreter (not a fork of the caller) so it works the same under pytest, the
 trainer driver and inside Ray actors, and so a check stuck in sympy can be killed outright.
-Protocol: parent writes {"id", "pred", "ref"}; child writes {"ready": true} once, then
+Protocol: parent writes {"id", "pred", "ref", "kind"} (kind: the gold's answer kind or
+null, `reward.lists`); child writes {"ready": true} once, then
 {"id", "ok"} per check, with "error": "<exception type>" when the check raised (MemoryError under
 the address-space cap, RecursionError, ...). Nothing else may reach the protocol stream.
 
@@ -67,7 +68,7 @@ def main() -> None:
         try:
             if fault and req["pred"] == fault[1]:
                 _inject(fault[0])
-            reply["ok"] = bool(equivalent_unbounded(req["pred"], req["ref"]))
+            reply["ok"] = bool(equivalent_unbounded(req["pred"], req["ref"], req.get("kind")))
         except Exception as exc:  # MemoryError, RecursionError: never die on one bad answer, say so
             reply["error"] = type(exc).__name__
         proto.write(json.dumps(reply) + "\n")
