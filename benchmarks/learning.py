@@ -47,9 +47,9 @@ def stapoctl_run(steps: int, workdir: Path) -> dict:
             "tracking.experiment=bench"]
     out = _ours.whole_command(args)
     run = _ours.read_run(uri, out["run_id"]) if out["run_id"] else {}
-    from stapoctl.models.resolve import latest_checkpoint
+    from stapoctl.checkpoint import find_checkpoint
 
-    ckpt = latest_checkpoint(workdir / "run")
+    ckpt = find_checkpoint(workdir / "run")
     out.update(model=str(ckpt / "model") if ckpt else None, metrics=run.get("metrics", {}),
                step_end_ms=run.get("step_end_ms", {}))
     return out

@@ -14,7 +14,6 @@ Layout (a contract with `stapoctl eval` and `models.resolve`):
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -22,16 +21,26 @@ import os
 import re
 import shutil
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from stapoctl.errors import UserError, exception_chain
+from stapoctl.paths import fsync_dir, write_atomic
 from stapoctl.tracking.run_ids import looks_like_run_id, run_dir_of
 
 TRAINER_STATE = "trainer_state.json"
 MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left on the device; the user's disk quota is used up
+# files hashed at once: hashlib releases the GIL while it reads and hashes, so a checkpoint's
+# shards hash in parallel instead of one thread reading 100 GB at save and again at resume
+HASH_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+class CheckpointDamaged(ValueError):
+    """A step dir named directly that fails its manifest check; the reason is the message."""
 
 
 def step_dir_name(step: int) -> str:
@@ -59,6 +68,8 @@ def save(run_dir: Path, step: int, write_payload: Callable[[Path], None], traine
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
+        if _fsync_on():  # the renames themselves on disk: a machine crash keeps the published dir
+            fsync_dir(ckpt_root)
     except Exception as exc:
         full = disk_full(exc, tmp)  # probed before the partial write goes (it fills the disk)
         if full is None:
@@ -67,7 +78,7 @@ def save(run_dir: Path, step: int, write_payload: Callable[[Path], None], traine
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write_atomic(ckpt_root / "latest", final.name + "\n")
+        write_atomic(ckpt_root / "latest", final.name + "\n", durable=_fsync_on())
     except OSError:
         pass  # only a hint: `latest_step_dir` takes the newest verified step dir anyway
     return final
@@ -130,11 +141,41 @@ def prune(run_dir: Path, keep: int, newest: Path, protect: Sequence[Path] = ()) 
 
 # -- the manifest ---------------------------------------------------------------------------
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# (path, inode, size, mtime) -> sha256 of a file `verify` read: a process that resolves the same
+# checkpoint again (`stapoctl eval`: its preflight, then the run) reads it once. Only files last
+# written over RACY_NS ago are remembered (git's "racy clean" rule): a rewrite within the
+# timestamp's granularity could keep all four
+_READ_DIGESTS: dict[tuple, str] = {}
+RACY_NS = 2_000_000_000
+
+
+def _stamp(path: Path) -> Optional[tuple]:
+    st = path.stat()
+    if time.time_ns() - st.st_mtime_ns < RACY_NS:
+        return None
+    return str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _sha256_many(paths: Sequence[Path], *, remember: bool = False) -> list[str]:
+    """sha256 of each file, `HASH_THREADS` files at a time, in `paths`' order."""
+    def one(path: Path) -> str:
+        if not remember:
+            return _sha256(path)
+        key = _stamp(path)
+        if key is None:
+            return _sha256(path)
+        if key not in _READ_DIGESTS:
+            _READ_DIGESTS[key] = _sha256(path)
+        return _READ_DIGESTS[key]
+
+    if len(paths) <= 1 or HASH_THREADS == 1:
+        return [one(p) for p in paths]
+    with ThreadPoolExecutor(min(HASH_THREADS, len(paths)), thread_name_prefix="stapoctl-sha256") as pool:
+        return list(pool.map(one, paths))
 
 
 def _files(step_dir: Path) -> list[Path]:
@@ -144,8 +185,9 @@ def _files(step_dir: Path) -> list[Path]:
 def write_manifest(step_dir: Path) -> dict:
     """Size and sha256 of every file in the (not yet published) step dir; written last."""
     step_dir = Path(step_dir)
-    files = {p.relative_to(step_dir).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in _files(step_dir)}
+    found = _files(step_dir)
+    files = {p.relative_to(step_dir).as_posix(): {"size": p.stat().st_size, "sha256": digest}
+             for p, digest in zip(found, _sha256_many(found))}
     manifest = {"version": 1, "files": files}
     (step_dir / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
@@ -172,21 +214,28 @@ def verify(step_dir: Path, *, checksums: bool = True) -> Optional[str]:
         files = json.loads(mpath.read_text())["files"]
     except (OSError, ValueError, KeyError) as exc:
         return f"{MANIFEST} unreadable ({exc})"
-    for rel, want in files.items():
+    for rel, want in files.items():  # sizes first: a truncated file is found without reading any
         path = step_dir / rel
         if not path.is_file():
             return f"{rel} is missing"
         size = path.stat().st_size
         if size != want["size"]:
             return f"{rel} has {size} bytes, the manifest says {want['size']}"
-        if checksums and _sha256(path) != want["sha256"]:
-            return f"{rel} does not match its sha256"
+    if checksums:
+        digests = _sha256_many([step_dir / rel for rel in files], remember=True)
+        for (rel, want), digest in zip(files.items(), digests):
+            if digest != want["sha256"]:
+                return f"{rel} does not match its sha256"
     return None
+
+
+def _fsync_on() -> bool:
+    return os.environ.get("STAPOCTL_CKPT_FSYNC", "1") != "0"
 
 
 def _fsync_tree(root: Path) -> None:
     """Data on disk before the rename publishes it (a crash of the machine, not just the process)."""
-    if os.environ.get("STAPOCTL_CKPT_FSYNC", "1") == "0":
+    if not _fsync_on():
         return
     for p in [*_files(root), root / MANIFEST]:
         try:
@@ -197,18 +246,8 @@ def _fsync_tree(root: Path) -> None:
                 os.close(fd)
         except OSError:
             pass
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    for d in [*(p for p in root.rglob("*") if p.is_dir()), root]:  # the files' entries in their dirs
+        fsync_dir(d)
 
 
 def step_dirs(run_dir: Path) -> list[Path]:
@@ -232,6 +271,26 @@ def latest_step_dir(run_dir: Path, *, checksums: bool = False, warn: Optional[Ca
         if warn is not None:
             warn(f"skipping checkpoint {candidate}: {problem}")
     return None
+
+
+def is_step_dir(path: Path) -> bool:
+    return (Path(path) / TRAINER_STATE).is_file() or (Path(path) / MANIFEST).is_file()
+
+
+def find_checkpoint(path: Path, *, checksums: bool = True, warn: Optional[Callable[[str], None]] = None
+                    ) -> Optional[Path]:
+    """The one checkpoint lookup of every reader (`resume=`, `--model` / `model.path`, the plan):
+    a step dir is itself once it verifies (else `CheckpointDamaged`, the reason); a run dir or its
+    `checkpoints/` dir gives its newest complete step dir, the damaged ones skipped and each named
+    through `warn` (None: it has none). `checksums` reads every byte, `HASH_THREADS` files at once."""
+    path = Path(path)
+    if is_step_dir(path):
+        problem = verify(path, checksums=checksums)
+        if problem is not None:
+            raise CheckpointDamaged(problem)
+        return path
+    run_dir = path.parent if path.name == "checkpoints" and not (path / "checkpoints").is_dir() else path
+    return latest_step_dir(run_dir, checksums=checksums, warn=warn)
 
 
 def partial_writes(run_dir: Path) -> list[Path]:
@@ -262,14 +321,11 @@ def resolve_resume(spec: str, tracking_uri: Optional[str] = None,
     value = str(spec).strip()
     path = Path(value).expanduser()
     if path.is_dir():
-        if (path / TRAINER_STATE).is_file() or (path / MANIFEST).is_file():
-            problem = verify(path, checksums=True)
-            if problem:
-                raise UserError(f"resume={value}: that checkpoint is damaged ({problem}); resume from the "
-                                "run dir instead to take its newest complete checkpoint")
-            return path.resolve()
-        run_dir = path.parent if path.name == "checkpoints" else path
-        found = latest_step_dir(run_dir, checksums=True, warn=warn)
+        try:
+            found = find_checkpoint(path, checksums=True, warn=warn)
+        except CheckpointDamaged as exc:
+            raise UserError(f"resume={value}: that checkpoint is damaged ({exc}); resume from the "
+                            "run dir instead to take its newest complete checkpoint") from None
         if found is None:
             raise UserError(f"resume={value}: no complete checkpoint under {path} (expected checkpoints/step_NNNNNN/)")
         return found.resolve()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 from pathlib import Path
+from typing import Iterator
 
 
 def home() -> Path:
@@ -32,3 +35,45 @@ def experiments_dir() -> Path:
 def default_tracking_uri() -> str:
     """MLflow's own env var wins; otherwise a sqlite store under the cache (file stores are deprecated)."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / 'mlflow.db'}"
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path, *, durable: bool = False) -> Iterator[Path]:
+    """A fresh temp path beside `path` for the block to write (a name no other writer, process or
+    thread, gets); when the block ends it replaces `path` whole (`os.replace`), so a reader sees
+    the old file or the new one, never half of one; when the block raises it is removed.
+    `durable`: the file and the directory entry fsynced too (a machine crash keeps it)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        yield tmp
+        if durable:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def write_atomic(path: Path, text: str, *, durable: bool = False) -> None:
+    """`path` holds `text` (UTF-8) whole or keeps what it held: `atomic_path`."""
+    with atomic_path(path, durable=durable) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def fsync_dir(path: Path) -> None:
+    """The directory's entries (a rename, a new file) on disk; best effort where a filesystem
+    cannot fsync a directory."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

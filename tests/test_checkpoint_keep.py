@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from stapoctl import checkpoint
-from stapoctl.models.resolve import latest_checkpoint
 
 
 def _payload(tmp: Path) -> None:
@@ -32,7 +31,7 @@ def test_keep_two_of_five(tmp_path):
     _save_steps(tmp_path, keep=2)
     assert [p.name for p in checkpoint.step_dirs(tmp_path)] == ["step_000050", "step_000040"]
     assert checkpoint.latest_step_dir(tmp_path, checksums=True).name == "step_000050"
-    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_000050"
+    assert checkpoint.find_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_000050"
     assert not checkpoint.partial_writes(tmp_path)  # no debris left by the deletes
 
 

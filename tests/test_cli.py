@@ -36,6 +36,16 @@ def test_help_lists_every_command():
         assert f" {command} " in res.stdout, f"{command} missing from --help"
 
 
+def test_version_and_short_help():
+    from importlib.metadata import version
+
+    res = run_cli("--version")
+    assert res.returncode == 0 and res.stdout == f"stapoctl {version('stapoctl')}\n", res.stderr
+    assert run_cli("-h").stdout == run_cli("--help").stdout
+    res = run_cli("train", "-h")
+    assert res.returncode == 0 and " train [OPTIONS]" in res.stdout and "--dry-run" in res.stdout
+
+
 def test_dry_run_prints_default_config_and_plan_without_starting_anything(tmp_path):
     res = run_cli("train", "--cfg", "job", env={"STAPOCTL_HOME": str(tmp_path)})
     assert res.returncode == 0, res.stderr

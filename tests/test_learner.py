@@ -130,3 +130,31 @@ def test_grpo_update_equals_plain_torch_reference(tiny_dir, zero_stage):
     moved = max(float((got[n] - base[n].detach()).abs().max()) for n in base)
     assert moved > 1e-3
     learner.shutdown()
+
+
+def test_zero3_forward_computes_only_the_response_logits(tiny_dir):
+    """Under ZeRO-3 the module's forward keeps the logits of the response + 1 positions only
+    (`logits_to_keep`), and the log-probs are still those of the full forward, on left-padded
+    prompts of 5-9 tokens and right-padded responses of 3-7."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stapoctl.learner.deepspeed_learner import Learner
+    from stapoctl.losses import LOSSES
+
+    batch = fixed_batch(AutoTokenizer.from_pretrained(tiny_dir).pad_token_id)
+    learner = Learner(rank=0, world_size=1)
+    learner_cfg = dict(zero_stage=3, lr=LR, betas=[0.9, 0.999], weight_decay=WD, adam_eps=EPS, warmup_steps=0,
+                       grad_clip=1.0, ppo_mini_batch_size=2, micro_batch_size=MICRO, ppo_epochs=1,
+                       logits_chunk_size=7, cpus=1, num_gpus=0)
+    learner.setup(tiny_dir, learner_cfg, {"name": "grpo", **vars(LOSSES["grpo"].config_cls())}, n_per_prompt=N, seed=0)
+    widths: list[tuple[int, int]] = []
+    hook = learner.module.register_forward_hook(lambda m, args, out: widths.append(tuple(out.logits.shape[:2])))
+    try:
+        got = learner.compute_log_probs(batch)["log_prob"]
+    finally:
+        hook.remove()
+        learner.shutdown()
+    assert batch.prompt_length == 9 and batch.response_length == 7
+    assert widths == [(MICRO, 7 + 1)] * (len(batch) // MICRO)  # not 9 + 7 positions
+    want = reference_log_probs(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32), batch)
+    assert torch.allclose(got, want.detach(), atol=1e-6, rtol=0)

@@ -180,3 +180,77 @@ def test_the_token_budget_bounds_the_planned_micro_batch():
     # a row longer than the budget still runs, alone
     alone = compose_config(["learner.micro_batch_size=8", "learner.max_tokens_per_micro_batch=50"])
     assert _micro_tokens(alone) == 112
+
+
+def _tiny_llama():
+    """A Llama shape the Qwen3 formula gets wrong: attention and MLP biases, no q/k norms, an
+    untied head, head_dim = hidden / heads."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=300, max_position_embeddings=128,
+                       tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
+
+
+def _materialised_count(cfg) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)  # real tensors on the CPU
+    assert next(model.parameters()).device.type == "cpu"
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_a_llama_is_counted_exactly_and_a_qwen3_by_the_formula_without_torch():
+    from stapoctl.preflight.model_shape import parameter_count
+
+    cfg = _tiny_llama()
+    real = _materialised_count(cfg)
+    # by hand: per layer q,o 64*64 + k,v 64*32 and their biases 64+32+32+64 = 12,480; MLP 3*64*176 and
+    # its biases 176+176+64 = 34,208; 2 norms of 64: 46,816; x3 + embedding and head 2 * 300*64 + final norm 64
+    assert real == 3 * 46_816 + 2 * 300 * 64 + 64 == 178_912
+    assert parameter_count(cfg.to_dict()) == real
+    assert decoder_params(cfg.to_dict()) != real  # the Qwen3 formula alone was wrong for it
+    code = ("import sys; from stapoctl.config.shapes import QWEN3_SHAPES; "
+            "from stapoctl.preflight.model_shape import parameter_count; "
+            "print(parameter_count(QWEN3_SHAPES['Qwen/Qwen3-8B-Base'])); assert 'torch' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and int(out.stdout) == P_8B, out.stderr[-2000:]
+
+
+def test_plan_of_a_local_llama_config_counts_its_parameters_exactly(tmp_path):
+    cfg = _tiny_llama()
+    model_dir = tmp_path / "llama"
+    cfg.save_pretrained(model_dir)  # config.json only, as a download of the config alone leaves it
+    res = run_cli("plan", "--json", f"model={model_dir}", home=tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    plan = json.loads(res.stdout)
+    assert plan["params"] == _materialised_count(cfg) == 178_912
+    assert plan["shape_source"] == str(model_dir / "config.json")
+    weights = next(r for r in plan["roles"] if r["role"] == "rollout")["parts"]["weights"]
+    assert weights * GIB == pytest.approx(178_912 * 4)  # fp32 weights of that count
+
+
+def test_an_architecture_transformers_cannot_build_is_one_line(tmp_path):
+    model_dir = tmp_path / "odd"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({**TINY, "model_type": "no_such_arch"}))
+    res = run_cli("plan", f"model.path={model_dir}", home=tmp_path)
+    err = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(err) == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "cannot build model_type='no_such_arch'" in err[0] and "model.path=" in err[0]
+
+
+def test_a_zero3_plan_counts_the_logits_of_the_response_positions_only():
+    from stapoctl.config.compose import compose_config
+    from stapoctl.preflight.memory_plan import build_plan
+
+    def logits_part(stage: int) -> float:
+        conf = compose_config([f"learner.zero_stage={stage}", "learner.micro_batch_size=8"])  # 8 x (64 + 48)
+        assert conf.model.dtype == "float32" and conf.model.tiny.vocab_size == 512
+        return build_plan(conf).role("learner").parts["logits_chunk"] * GIB
+
+    # ZeRO-3's forward adds the module's logits and their gradient (fp32, V = 512) of the 48 + 1 positions
+    # `logits_to_keep` leaves per row, not of all 112 (learner/forward.py)
+    assert logits_part(3) - logits_part(2) == pytest.approx(2 * 8 * 49 * 512 * 4)

@@ -150,10 +150,13 @@ def test_build_random_is_quick_and_loadable(tmp_path):
 def make_run_dir(root: Path, model_src: Path, steps=(10, 20)) -> Path:
     import shutil
 
+    from stapoctl import checkpoint
+
     run = root / "run"
     for step in steps:
-        model = run / "checkpoints" / f"step_{step:06d}" / "model"
-        shutil.copytree(model_src, model, ignore=shutil.ignore_patterns("*.safetensors"))
+        checkpoint.save(run, step, lambda tmp: shutil.copytree(model_src, tmp / "model",
+                                                               ignore=shutil.ignore_patterns("*.safetensors")),
+                        {"step": step})
     (run / "checkpoints" / "latest").write_text(f"step_{steps[0]:06d}\n")  # latest need not be the max
     return run
 
@@ -168,12 +171,13 @@ def test_resolve_model_specs(base_model, tiny_home, tmp_path, monkeypatch):
     assert resolve_model("", Cfg) == str(base_model)
     assert resolve_model(str(base_model), Cfg) == str(base_model)
     run = make_run_dir(tmp_path, base_model)
-    step10 = run / "checkpoints" / "step_000010"
-    assert resolve_model(str(run), Cfg) == str(step10 / "model")  # follows checkpoints/latest
-    assert resolve_model(str(run / "checkpoints"), Cfg) == str(step10 / "model")
-    assert resolve_model(str(run / "checkpoints" / "step_000020"), Cfg) == str(run / "checkpoints" / "step_000020" / "model")
+    step10, step20 = run / "checkpoints" / "step_000010", run / "checkpoints" / "step_000020"
+    # the newest complete step, whatever `latest` says (a hint only, as for resume=)
+    assert resolve_model(str(run), Cfg) == str(step20 / "model")
+    assert resolve_model(str(run / "checkpoints"), Cfg) == str(step20 / "model")
+    assert resolve_model(str(step10), Cfg) == str(step10 / "model")
     (run / "checkpoints" / "latest").unlink()
-    assert resolve_model(str(run), Cfg) == str(run / "checkpoints" / "step_000020" / "model")  # newest step
+    assert resolve_model(str(run), Cfg) == str(step20 / "model")
     assert resolve_model("Qwen/Qwen3-8B-Base", Cfg) == "Qwen/Qwen3-8B-Base"
     with pytest.raises(UserError, match="no such directory"):
         resolve_model(str(tmp_path / "nope"), Cfg)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from stapoctl import paths
@@ -21,7 +22,7 @@ from stapoctl.data import sources as S
 from stapoctl.data.origin import PrepStats, apply_template, find_origin, normalized_rows, prep_progress
 from stapoctl.data.registry import toy_source_rows
 from stapoctl.data.templates import tokenizer_for_template
-from stapoctl.errors import UserError
+from stapoctl.errors import UserError, labelled
 
 MAX_REPORTED = 10  # malformed rows printed one by one; the rest are counted
 
@@ -29,11 +30,9 @@ MAX_REPORTED = 10  # malformed rows printed one by one; the rest are counted
 def write_jsonl(rows: list[dict], path: Path) -> None:
     """Atomic: a reader never sees a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with paths.atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
         for row in rows:
             fh.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def prep_dataset(
@@ -68,14 +67,14 @@ def prep_dataset(
     write_jsonl(rows, path)
     stats.out, stats.seconds = str(path), time.perf_counter() - started
     for message in stats.problems[:MAX_REPORTED]:
-        console.print(f"[yellow]skipped malformed row[/] {message}", highlight=False)
+        console.print(labelled("skipped malformed row", message, "yellow"), highlight=False)  # the row's text
     if len(stats.problems) > MAX_REPORTED:
         console.print(f"[yellow]… and {len(stats.problems) - MAX_REPORTED} more malformed rows[/]")
     return stats
 
 
 def stats_table(all_stats: list[PrepStats], out_dir: Path) -> Table:
-    table = Table(title="Prepared datasets", caption=f"written to {out_dir}/<dataset>.jsonl")
+    table = Table(title="Prepared datasets", caption=escape(f"written to {out_dir}/<dataset>.jsonl"))
     table.add_column("dataset", no_wrap=True)
     table.add_column("source", overflow="fold")
     for col in ("read", "kept", "duplicates", "malformed"):
@@ -83,7 +82,7 @@ def stats_table(all_stats: list[PrepStats], out_dir: Path) -> Table:
     for s in all_stats:
         dup = f"{s.duplicates}" + (f" ({s.conflicting_duplicates} conflicting)" if s.conflicting_duplicates else "")
         origin = Path(s.origin).name if os.path.sep in s.origin and not s.origin.startswith("hub:") else s.origin
-        table.add_row(s.name, origin, str(s.read), str(s.kept), dup, str(s.malformed))
+        table.add_row(s.name, escape(origin), str(s.read), str(s.kept), dup, str(s.malformed))
     return table
 
 

@@ -11,8 +11,11 @@ from typing import Callable, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 
+from stapoctl.config import overrides as ov
 from stapoctl.doctor.rows import Row, exit_code, find_json, from_error, from_json
+from stapoctl.errors import labelled
 
 JOB_NAME = "stapoctl-doctor"
 SLURM_TIMEOUT_MIN = 30  # a short job: the checks take minutes
@@ -24,7 +27,7 @@ Printer = Callable[[list[Row], str, float], None]
 
 
 def _given(overrides: Sequence[str]) -> set[str]:
-    return {o.partition("=")[0].lstrip("+~") for o in overrides}
+    return ov.keys(overrides)
 
 
 def _hints(job_id: str, console: Console) -> None:
@@ -33,7 +36,7 @@ def _hints(job_id: str, console: Console) -> None:
 
 
 def _job_failed(console: Console, what: str, log_tail: str) -> int:
-    console.print(f"[bold red]the doctor's job ended without its table:[/] {what}", highlight=False, soft_wrap=True)
+    console.print(labelled("the doctor's job ended without its table:", what), highlight=False, soft_wrap=True)
     if log_tail.strip():
         console.print("[dim]last lines of its log:[/]")
         console.out("\n".join(log_tail.strip().splitlines()[-20:]), highlight=False)
@@ -56,13 +59,13 @@ def on_ray(conf: DictConfig, overrides: Sequence[str], console: Console, show: P
         return 1
     records.JobRecord("ray", job_id, JOB_NAME, records.new_local_id("ray"), kind="doctor", address=spec.address,
                       overrides=list(overrides), tracking_uri=uri).save()
-    console.print(f"submitted Ray job [bold]{job_id}[/] to {spec.address}: stapoctl doctor", highlight=False)
+    console.print(f"submitted Ray job [bold]{job_id}[/] to {escape(spec.address)}: stapoctl doctor", highlight=False)
     if not wait:
         _hints(job_id, console)
         return 0
     state = ""
     with console.status(f"waiting for Ray job {job_id}…") as status:
-        while state not in ray_jobs.TERMINAL:
+        while not state or not ray_jobs.is_terminal(state):
             time.sleep(poll_s)
             state = ray_jobs.status(spec.address, job_id)["state"]
             status.update(f"waiting for Ray job {job_id} ({state})…")
@@ -108,7 +111,8 @@ def on_slurm(conf: DictConfig, overrides: Sequence[str], console: Console, show:
                             overrides=list(overrides), tracking_uri=uri)
     rec.save()
     console.print(f"submitted SLURM job [bold]{job_id}[/]: stapoctl doctor · partition "
-                  f"{conf.cluster.partition or '(default)'} · log {slurm.log_path(rec, job_id)}", highlight=False)
+                  + escape(f"{conf.cluster.partition or '(default)'} · log {slurm.log_path(rec, job_id)}"),
+                  highlight=False)
     if not wait:
         _hints(job_id, console)
         return 0

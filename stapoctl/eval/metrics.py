@@ -1,4 +1,4 @@
-"""Benchmark metrics from per-sample verdicts: avg@k, unbiased pass@k, maj@k, and a 95% CI.
+"""Benchmark metrics from per-sample verdicts: avg@k, unbiased pass@k, maj@k, and a 95% CI (t).
 
 avg@k is the STAPO paper's "Acc (avg@k)": the mean over problems of the fraction of a problem's
 k samples that are correct. pass@k uses Chen et al. (2021)'s unbiased estimator.
@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from typing import Any, Iterable, Mapping, Sequence
-
-Z_95 = 1.959963984540054
 
 
 def mlflow_key(stat: str) -> str:
@@ -67,7 +65,8 @@ def maj_at_k(answers: Sequence[Sequence[str | None]], correct: Sequence[Sequence
 
 
 def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and half-width of a normal-approximation 95% interval (sample std over problems)."""
+    """Mean and half-width of the 95% interval over problems: t(0.975, n-1) · s / √n, Student's t
+    with the sample std, since z = 1.96 is 4% too narrow at AIME's 30 problems (t = 2.045)."""
     n = len(values)
     if n == 0:
         return 0.0, 0.0
@@ -75,7 +74,9 @@ def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
     if n == 1:
         return mean, 0.0
     var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, Z_95 * math.sqrt(var / n)
+    from scipy import stats
+
+    return mean, float(stats.t.ppf(0.975, n - 1)) * math.sqrt(var / n)
 
 
 def group_by_problem(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from stapoctl.errors import UserError
+from stapoctl.paths import atomic_path
 
 
 def settings_key(settings: Mapping[str, Any]) -> str:
@@ -60,11 +61,9 @@ class SampleStore:
             self._rewrite()
 
     def _rewrite(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        with tmp.open("w", encoding="utf-8") as fh:
+        with atomic_path(self.path) as tmp, tmp.open("w", encoding="utf-8") as fh:
             for r in self.records:
                 fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-        os.replace(tmp, self.path)
 
     def done_ids(self) -> set[str]:
         return {str(r["id"]) for r in self.records}

@@ -14,6 +14,7 @@ from typing import Iterable
 from omegaconf import DictConfig, OmegaConf
 
 from stapoctl import paths
+from stapoctl.config import overrides as ov
 from stapoctl.config.schema import ClusterConfig
 from stapoctl.errors import UserError
 
@@ -53,7 +54,7 @@ def load(name: str) -> dict:
 
 
 def _given(overrides: Iterable[str]) -> set[str]:
-    return {o.partition("=")[0].lstrip("+~") for o in overrides}
+    return ov.keys(overrides)
 
 
 def apply(conf: DictConfig, overrides: Iterable[str]) -> DictConfig:

@@ -30,11 +30,12 @@ from urllib.parse import urlparse
 from rich.console import Console
 
 from stapoctl import paths
+from stapoctl.config import overrides as ov
 from stapoctl.errors import UserError
 
 UPLOAD_EXCLUDES = [".venv", ".git", "mlruns", "mlartifacts", "*.db", "__pycache__", "*.pyc", ".pytest_cache",
                    "slurm_logs", "outputs", "multirun", ".hypothesis", "*.egg-info", "build", "dist"]
-TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+_clients: dict[str, Any] = {}  # address → its JobSubmissionClient, for the process's life
 
 
 def normalize_address(address: Optional[str]) -> str:
@@ -95,12 +96,24 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def is_terminal(state: str) -> bool:
+    """Whether a job in this state (`status(...)["state"]`) is over, as Ray's JobStatus says."""
+    from ray.job_submission import JobStatus
+
+    return JobStatus(state).is_terminal()
+
+
 def client(address: str):
+    """One client per address: a poll every few seconds (`jobs`, the doctor, a sweep's Ray trials)
+    would otherwise redo the connect check and the client's version request each time."""
+    if address in _clients:
+        return _clients[address]
     from ray.job_submission import JobSubmissionClient
 
     check_reachable(address)
     try:
-        return JobSubmissionClient(address, headers=auth_headers())
+        _clients[address] = JobSubmissionClient(address, headers=auth_headers())
+        return _clients[address]
     except Exception as exc:  # ConnectionError, or a 401/403 wrapped in RuntimeError
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = ""
@@ -134,7 +147,7 @@ def job_spec(conf, overrides: list[str], run_name: str, tracking_uri: str,
         raise UserError(f"cluster.ship_code='{mode}': use auto, path or upload")
     if mode == "auto":
         mode = "path" if is_loopback(address) else "upload"
-    args = [o for o in overrides if o.partition("=")[0].lstrip("+~") not in ("cluster.address", "tracking.run_name")]
+    args = ov.drop(overrides, ("cluster.address", "tracking.run_name"))
     args += ["cluster.address=auto", f"tracking.run_name={_hydra_string(run_name)}"]
     # A driver's own ray.init(runtime_env=...) may set env vars the job also sets: let it win.
     env_vars = {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "PYTHONUNBUFFERED": "1"}
@@ -187,6 +200,10 @@ def _info(c, job_id: str, address: str):
         return c.get_job_info(job_id)
     except RuntimeError as exc:
         raise UserError(f"no Ray job '{job_id}' on {address} ({str(exc).splitlines()[0]})") from exc
+    except OSError as exc:  # requests' errors: the server went away after its client was made
+        _clients.pop(address, None)
+        raise UserError(f"cluster.address={address}: the Ray job server stopped answering "
+                        f"({type(exc).__name__}); check it (`ray status`) or wait and ask again") from exc
 
 
 def logs(address: str, job_id: str) -> str:
@@ -227,6 +244,6 @@ def follow(address: str, job_id: str, console: Console, poll_s: float = 2.0) -> 
         console.print(f"[yellow]log stream ended early ({type(exc).__name__}); waiting for the job's state[/]")
     while True:
         info = _info(c, job_id, address)
-        if str(info.status) in TERMINAL:
+        if info.status.is_terminal():
             return str(info.status)
         time.sleep(poll_s)

@@ -9,7 +9,6 @@ run dirs) is the record's own directory.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,9 +53,7 @@ class JobRecord:
     def save(self) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / RECORD
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        os.replace(tmp, path)
+        paths.write_atomic(path, json.dumps(asdict(self), indent=2) + "\n")
         return path
 
 

@@ -75,12 +75,14 @@ def build() -> Optional[Path]:
         return None
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, out = Path(tmp) / "shim.c", Path(tmp) / target.name
+        src = Path(tmp) / "shim.c"
         src.write_text(SOURCE)
-        proc = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(src)], capture_output=True, text=True)
-        if proc.returncode:
+        try:  # atomic: runs started at once each build, one file wins
+            with paths.atomic_path(target) as out:
+                subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(src)], capture_output=True,
+                               text=True, check=True)
+        except subprocess.CalledProcessError:
             return None
-        os.replace(out, target)  # atomic: runs started at once each build, one file wins
     return target
 
 

@@ -7,10 +7,11 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Table
 
-from stapoctl.errors import UserError
+from stapoctl.errors import UserError, labelled
 from stapoctl.launch.placement import check_fits, role_plans, total_need
 
 
@@ -40,7 +41,7 @@ def reference_note(conf: DictConfig) -> str:
 
 
 def print_plan(conf: DictConfig, console: Console) -> None:
-    console.rule(f"[bold]experiment {conf.experiment}[/] — resolved config")
+    console.rule(f"[bold]experiment {escape(str(conf.experiment))}[/] — resolved config")
     console.print(Syntax(OmegaConf.to_yaml(conf, resolve=True), "yaml", word_wrap=True))
     plans = role_plans(conf.rollout, conf.learner)
     notes = _notes(conf)
@@ -49,14 +50,14 @@ def print_plan(conf: DictConfig, console: Console) -> None:
         table.add_column(col)
     for p in plans:
         bundle = ", ".join(f"{v:g} {k}" for k, v in p.bundle.items())
-        table.add_row(LABELS[p.role], str(p.count), bundle, p.strategy, notes[p.role])
+        table.add_row(LABELS[p.role], str(p.count), bundle, p.strategy, escape(notes[p.role]))  # config values
     need = total_need(plans)
     table.caption = "total: " + ", ".join(f"{v:g} {k}" for k, v in need.items())
     console.print(table)
     if conf.cluster.name == "local" and not conf.cluster.address:
-        have = {"CPU": float(conf.cluster.num_cpus or os.cpu_count() or 1)}
+        have = {"CPU": float(conf.cluster.num_cpus or len(os.sched_getaffinity(0)) or 1)}
         try:
             check_fits([p for p in plans], {**need, **have}, where="this machine")
         except UserError as exc:
-            console.print(f"[yellow]warning:[/] {exc}")
+            console.print(labelled("warning:", exc, "yellow"), highlight=False, soft_wrap=True)
     console.print("[dim]dry run: nothing was started[/]")

@@ -42,9 +42,14 @@ class PolicyForward:
         chunk = int(self.learner.get("logits_chunk_size") or 1024)
         grad = {"entropy_grad": True} if entropy_grad else {}
         if self.zero_stage == 3 and model is None:
-            # Partitioned weights: go through the module (its hooks gather the shards).
-            logits = self.engine(input_ids=input_ids, attention_mask=attn, position_ids=pos).logits
-            return token_stats(logits[:, p - 1 : p + r - 1], labels, chunk_size=chunk,
+            # Partitioned weights: go through the module (its hooks gather the shards). The input is
+            # exactly prompt + response (never trimmed or packed here), so its last r + 1 positions
+            # hold the r predicting the response: `logits_to_keep` computes only those (the last
+            # one is dropped), not a [B, P, V] of prompt logits (and their gradient) thrown away.
+            keep = {"logits_to_keep": r + 1} if _keeps_logits(self.module) else {}
+            logits = self.engine(input_ids=input_ids, attention_mask=attn, position_ids=pos, **keep).logits
+            first = logits.shape[1] - (r + 1)  # p - 1 without logits_to_keep
+            return token_stats(logits[:, first : first + r], labels, chunk_size=chunk,
                                temperature=self.temperature, return_sum_p2=True, **grad)
         model = self.module if model is None else model
         share = shared_prefix.enabled(self.learner, self.device.type == "cuda")
@@ -92,3 +97,11 @@ class PolicyForward:
         ent, lp, p2 = (torch.where(mask, t, 0.0) for t in (ent, lp, p2))
         ent, lp, p2 = (self._all_gather_rows(t) for t in (ent, lp, p2))
         return {"log_prob": lp, "entropy": ent, "sum_p2": p2}
+
+
+def _keeps_logits(module) -> bool:
+    """The model's forward takes transformers' `logits_to_keep` (its causal LMs do; a remote-code
+    model may not, and then computes every position's logits)."""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(module.forward).parameters

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import yaml
 
 from stapoctl import paths
+from stapoctl.config import overrides as ov
 from stapoctl.errors import UserError
 
 FILE_FIELDS = ("experiment", "key", "values", "seeds", "overrides", "description")
@@ -128,9 +129,8 @@ def parse_command(name: str, args: list[str]) -> SweepCommand:
     opts: dict[str, Any] = {}
     cli: list[str] = []
     for item in args:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise UserError(f"argument '{item}' has no '=': write key=value, e.g. values=[2e-3,2e-2] or loss.lr=1e-6")
+        o = ov.parse(item, "argument", "values=[2e-3,2e-2] or loss.lr=1e-6")
+        key, value = (o.key, o.value) if o.kind == ov.SET else ("", "")  # the sweep's words are plain
         if key == "values":
             definition = definition.with_values(_values(value, "values"))
         elif key == "seeds":
@@ -141,7 +141,7 @@ def parse_command(name: str, args: list[str]) -> SweepCommand:
             opts[key] = _COMMAND_OPTIONS[key](value, key)
             continue
         else:
-            _check_override(key.lstrip("+~"), definition)
+            _check_override(o.key, definition)
             cli.append(item)
             given.add("overrides")
             continue
@@ -198,7 +198,7 @@ def _at_least_two(value: str, what: str) -> int:
 
 
 def override_key(item: str) -> str:
-    return item.partition("=")[0].lstrip("+~")
+    return ov.key_of(item)
 
 
 def _check_override(bare: str, definition: SweepDefinition) -> None:
@@ -226,6 +226,15 @@ def _load_yaml(text: str, where: str) -> Any:
         raise UserError(f"{where}: not valid YAML ({str(exc).splitlines()[0]})") from None
 
 
+def _swept_key(text: str, where: str) -> str:
+    """The file's `key:` as Hydra reads a key; each trial sets it (`key=value`), so no prefix."""
+    o = ov.parse(f"{text.strip()}=_", f"{where}: key")
+    if o.kind != ov.SET or o.package is not None:
+        raise UserError(f"{where}: key '{text.strip()}' must be a plain Hydra key such as loss.tau_p "
+                        f"(each trial sets it as key=value): drop the +, ++, ~ or @package")
+    return o.key
+
+
 def _from_mapping(raw: Any, name: str, where: str) -> SweepDefinition:
     if not isinstance(raw, dict):
         raise UserError(f"{where}: expected a mapping with key:, values:, seeds: (see docs/SWEEPS.md)")
@@ -239,12 +248,13 @@ def _from_mapping(raw: Any, name: str, where: str) -> SweepDefinition:
     if "values" not in raw:
         raise UserError(f"{where}: 'values' is missing: list the values of {raw['key']}, e.g. values: [2e-3, 2e-2]")
     overrides = raw.get("overrides") or []
-    if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise UserError(f"{where}: 'overrides' must be a list of key=value Hydra overrides")
+    ov.parse_all(overrides, f"{where}: override")
     values, value_overrides = _value_entries(raw["values"], f"{where}: values")
     return SweepDefinition(
         name=str(raw.get("name") or name),
-        key=raw["key"].strip().lstrip("+~"),
+        key=_swept_key(raw["key"], where),
         values=values,
         value_overrides=value_overrides,
         experiment=str(raw.get("experiment") or "tiny"),
@@ -283,12 +293,13 @@ def _value_entry(item: dict, what: str) -> tuple[str, tuple[str, ...]]:
     if not isinstance(name, str) or not name.strip():
         raise UserError(f"{what}: a value entry needs value: NAME, e.g. {{value: dapo_full, set: [loss=dapo]}}")
     name, own = name.strip(), item.get("set") or []
-    if not isinstance(own, list) or not all(isinstance(o, str) and "=" in o for o in own):
+    if not isinstance(own, list) or not all(isinstance(o, str) for o in own):
         raise UserError(f"{what}: the set of value '{name}' must be a list of key=value Hydra overrides, "
                         "e.g. set: [loss=dapo, trainer.dynamic_sampling=true]")
     seen: set[str] = set()
     for item_ in own:
-        key = override_key(item_)
+        key = ov.parse(item_.strip(), f"{what}: the set of value '{name}' must be a list of key=value Hydra "
+                       "overrides:", "loss=dapo").key
         if key == "experiment" or key in OWNED_KEYS:
             raise UserError(f"{what}: value '{name}' sets {key}, which the sweep sets for every trial: "
                             "drop it from its set")

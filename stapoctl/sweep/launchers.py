@@ -77,7 +77,7 @@ def room_here(confs: Iterable[DictConfig], k: int) -> list[tuple[list[str], dict
     `UserError` in one line when K trials' placement or memory cannot fit."""
     confs = list(confs)
     c = confs[0].cluster
-    cpus = float(c.num_cpus or os.cpu_count() or 1)
+    cpus = float(c.num_cpus or len(os.sched_getaffinity(0)) or 1)
     each = int(cpus // k)
     needs = [_need(conf) for conf in confs]
     cpu, how = max(((n.get("CPU", 0.0), how) for n, how in needs), key=lambda x: x[0])
@@ -258,7 +258,7 @@ class RayJobTrials:
                 return None
             return End(False, "UNREACHABLE", str(exc))
         self.last_seen[job_id] = time.monotonic()
-        if info["state"] not in ray_jobs.TERMINAL:
+        if not ray_jobs.is_terminal(info["state"]):
             return None
         ok = info["state"] == "SUCCEEDED"
         return End(ok, info["state"], "" if ok else (info["message"].strip().splitlines() or [""])[0][:400])

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from stapoctl.config import overrides as ov
 from stapoctl.errors import UserError
 from stapoctl.sweep import layout
 from stapoctl.sweep.definition import SweepDefinition
@@ -62,9 +63,8 @@ def open_parent(definition: SweepDefinition, uri: Optional[str] = None, experime
         layout.P_EXPERIMENT: definition.experiment,
         layout.P_OVERRIDES: " ".join(definition.overrides),
     }
-    for item in definition.overrides:
-        key, _, value = item.partition("=")
-        params[layout.P_OVERRIDE_PREFIX + key.lstrip("+~")] = value
+    for o in ov.parse_all(definition.overrides):
+        params[layout.P_OVERRIDE_PREFIX + o.key] = o.text if o.kind == ov.DELETE else o.value
     for value, own in definition.value_overrides:
         params[layout.P_VALUE_OVERRIDES_PREFIX + value] = " ".join(own)
     from mlflow.entities import Param
