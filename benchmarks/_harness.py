@@ -30,9 +30,9 @@ TABLE_BEGIN = "<!-- bench-table:begin (stapoctl bench --write-docs rewrites this
 TABLE_END = "<!-- bench-table:end -->"
 # which row of the issue table each result row belongs to, in the order of the issue
 ORDER = ("full_step_tiny", "full_step_25m", "learning_per_minute", "engines_up", "rollout_tokens_25m",
-         "rollout_tokens_tiny", "async_tiny", "async_25m", "loss_overhead", "learner_budget_rows_25m",
-         "learner_budget_prompts_25m", "learner_budget_packed_25m", "learner_budget_25m_trl", "weight_sync_25m",
-         "weight_sync_tiny", "token_stats_memory")
+         "rollout_tokens_tiny", "async_tiny", "async_25m", "loss_overhead", "token_trace_overhead",
+         "learner_budget_rows_25m", "learner_budget_prompts_25m", "learner_budget_packed_25m", "learner_budget_25m_trl",
+         "weight_sync_25m", "weight_sync_tiny", "token_stats_memory", "zero3_logits_forward", "zero3_logits_step")
 
 
 def summary(samples: Sequence[float]) -> dict[str, Any]:

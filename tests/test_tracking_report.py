@@ -273,10 +273,18 @@ def test_ui_shows_the_sweep_trials_side_by_side(store, tmp_path):
                 time.sleep(1)
         urls = re.findall(r"http://127\.0\.0\.1:\d+/\S+", log.read_text())
         runs_url, sweep_url = urls[0], urls[1]
-        assert runs_url.endswith("/#/experiments/1/runs")  # the runs table, not the GenAI overview
+        # the runs table (not the GenAI overview), in the saved view plain runs share with sweeps
+        assert runs_url.endswith("/#/experiments/1/runs?viewStateShareKey=stapoctl-runs")
         assert "viewStateShareKey=" in sweep_url
+        import mlflow
+
+        exp = mlflow.MlflowClient(store["uri"]).get_experiment("1")
+        assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # a model-training experiment
         page = _chromium(tmp_path, runs_url, "--dump-dom")
         assert "sweep-tau_p" in page and "tiny-grpo-seed0" in page
+        for column in ("val/toy/train/avg_at_4", "reward/accuracy", "actor/entropy", "stapo/spurious_ratio",
+                       "loss.name"):
+            assert column in page, column  # a plain run shows metric columns
         shot = tmp_path / "sweep_view.png"
         page = _chromium(tmp_path, sweep_url, "--dump-dom", f"--screenshot={shot}")
         for tau in TAUS:

@@ -9,6 +9,7 @@ hermetic; it answers a few toy problems, so some groups have non-zero advantages
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ OVERRIDES = [
     "eval.every_n_steps=2",
     "trainer.diagnostics_every=2",
     "learner.ppo_mini_batch_size=8",  # one PPO update per step: the loss sees the diagnostics' π, H and h*
+    "loss.tau_p=0.5",  # the STAPO mask acts on tokens of a 3-step run (at 2e-3: ~1 in 10k tokens)
+    "loss.shadow=[stapo_prob_only]",  # a shadow rule: its flips are counted too
 ]
 SAME_AT_STEP_3 = ("batch/fingerprint", "batch/prompts_fingerprint", "critic/score/mean",
                   "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
@@ -172,7 +175,7 @@ def test_token_diagnostics_are_artifacts_and_agree_with_the_loss(run, tmp_path):
     run_id = run["first"]["run_id"]
     client = mlflow.MlflowClient(run["uri"])
     listed = {a.path for a in client.list_artifacts(run_id, "diagnostics/step_000002")}
-    assert listed == {f"diagnostics/step_000002/{f}" for f in FILES}
+    assert listed == {f"diagnostics/step_000002/{f}" for f in FILES + ("tokens.html",)}
     local = client.download_artifacts(run_id, "diagnostics/step_000002/categories.json", str(tmp_path))
     diag = json.loads(open(local).read())
     at2 = {k: v for k in ("stapo/entropy_threshold", "loss/response_tokens", "stapo/spurious_count")
@@ -181,3 +184,124 @@ def test_token_diagnostics_are_artifacts_and_agree_with_the_loss(run, tmp_path):
     assert diag["response_tokens"] == at2["loss/response_tokens"] > 0
     assert diag["counts"][SPURIOUS] == at2["stapo/spurious_count"]
     assert sum(diag["counts"].values()) + diag["zero_advantage"] == diag["response_tokens"]
+
+
+def page_tokens(page: str) -> list[dict]:
+    """Every token span of a trace page: its data-attributes, its row and its shown text."""
+    import html
+    import re
+
+    out = []
+    for row, body in re.findall(r'<div class="resp" data-row="(\d+)">(.*?)</pre></div>', page, flags=re.S):
+        for cls, attrs, text in re.findall(r'<span class="t([^"]*)" ([^>]*)>([^<]*)</span>', body):
+            a = dict(re.findall(r'data-(\w+)="([^"]*)"', attrs))
+            out.append({**a, "row": int(row), "acted": "acted" in cls, "text": html.unescape(text),
+                        "styled": "background" in attrs})
+    return out
+
+
+@pytest.mark.e2e
+def test_drift_and_rule_flips_are_logged_where_the_learner_measured(run, tmp_path):
+    """Step 2 (a diagnostics step) has the learner − vLLM |Δ log p| distribution and the flips per rule;
+    on the trace page, each token's outline and flip mark follow from its own numbers: S2T under the
+    learner's π (π_old) and under vLLM's (π / ratio), H against the row's h*."""
+    import mlflow
+
+    rid = run["first"]["run_id"]
+    at2 = {k: [v for s, v in history(run["uri"], rid, k) if s == 2] for k in (
+        "rollout/logprob_diff_p99", "rollout/logprob_diff_max", "rollout_corr/flips/s2t", "rollout_corr/flips",
+        "rollout_corr/flip_rate", "shadow/stapo_prob_only/flips", "rollout_corr/abs_dlogp_p99/pos_lowp_lowh")}
+    assert all(len(v) == 1 for v in at2.values()), at2
+    assert 0 <= at2["rollout/logprob_diff_p99"][0] <= at2["rollout/logprob_diff_max"][0]  # the learner's max
+    assert at2["rollout_corr/flips"][0] == at2["rollout_corr/flips/s2t"][0]  # s2t is stapo's one rule
+    path = mlflow.MlflowClient(run["uri"]).download_artifacts(rid, "diagnostics/step_000002/tokens.html",
+                                                               str(tmp_path))
+    tokens = page_tokens(open(path, encoding="utf-8").read())
+    spurious = [s for s, v in history(run["uri"], rid, "stapo/spurious_count") if s == 2 and v > 0]
+    assert spurious, "the mask acted on no token at step 2: raise loss.tau_p in OVERRIDES"
+    assert tokens and any(t["acted"] for t in tokens)
+    tau = 0.5
+    for t in tokens:
+        pi, h, adv, h_star = float(t["pi"]), float(t["h"]), float(t["adv"]), float(t["hstar"])
+        pi_vllm = pi / float(t["ratio"])
+        by_learner = adv > 0 and pi < tau and h < h_star
+        by_vllm = adv > 0 and pi_vllm < tau and h < h_star
+        if abs(pi - tau) > 1e-4 * tau and abs(pi_vllm - tau) > 1e-4 * tau and abs(h - h_star) > 1e-5:  # 6 digits
+            assert t["acted"] == by_learner == ("s2t" in t["rules"].split()), t
+            assert ("s2t" in t["flips"].split()) == (by_learner != by_vllm), t
+    shown = sum("s2t" in t["flips"].split() for t in tokens)
+    assert shown <= at2["rollout_corr/flips/s2t"][0]
+
+
+@pytest.mark.e2e
+def test_tokens_command_says_where_the_page_is(run):
+    from test_tracking_report import cli
+
+    rid = run["first"]["run_id"]
+    res = cli("tokens", rid[:8], "--uri", run["uri"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    path = f"{run['first']['run_dir']}/diagnostics/step_000002/tokens.html"
+    assert f"token trace of step 2: {path}" in res.stdout
+    assert f"/#/experiments/1/runs/{rid}/artifactPath/diagnostics/step_000002/tokens.html" in res.stdout
+    bad = cli("tokens", rid[:8], "--step", "3", "--uri", run["uri"])
+    assert bad.returncode == 2 and "no page at that step; steps with one: 2" in bad.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.browser
+def test_the_token_page_opens_in_chromium_from_the_ui_server(run, tmp_path):
+    """`stapoctl ui` serves the run; the page, taken from the server's artifact URL, renders in
+    headless Chromium (its script colours every token); a token the STAPO mask acted on shows the
+    π, H, Â and h* that categories.json lists for that row and position."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from test_tracking_report import CHROMIUM, REPO, _chromium, _free_port
+
+    if CHROMIUM is None:
+        pytest.skip("headless Chromium not installed (Debian packages chromium, chromium-driver)")
+    rid = run["first"]["run_id"]
+    port = _free_port()
+    log = tmp_path / "ui.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "stapoctl.cli", "ui", "--port", str(port), "--uri", run["uri"]],
+                                stdout=fh, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        url = f"http://127.0.0.1:{port}/get-artifact?path=diagnostics/step_000002/tokens.html&run_uuid={rid}"
+        for _ in range(120):
+            try:
+                page = urllib.request.urlopen(url, timeout=5).read().decode("utf-8")
+                break
+            except OSError:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                time.sleep(1)
+        else:
+            raise AssertionError("the ui server never served the page: " + log.read_text()[-3000:])
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    local = tmp_path / "tokens.html"
+    local.write_text(page, encoding="utf-8")
+    dom = _chromium(tmp_path, local.as_uri(), "--dump-dom")
+    tokens = page_tokens(dom)
+    assert tokens and all(t["styled"] for t in tokens)  # the inline script ran: the π channel coloured them
+    import mlflow
+
+    cats = json.loads(open(mlflow.MlflowClient(run["uri"]).download_artifacts(
+        rid, "diagnostics/step_000002/categories.json", str(tmp_path)), encoding="utf-8").read())
+    listed = {(t["row"], t["position"]): t for t in cats["listed"]["tokens"]}
+    checked = 0
+    for t in tokens:
+        hit = listed.get((t["row"], int(t["pos"])))
+        if t["acted"] and "s2t" in t["rules"].split() and hit is not None:
+            assert float(t["pi"]) == pytest.approx(hit["prob"], rel=1e-5)
+            assert float(t["h"]) == pytest.approx(hit["entropy"], rel=1e-5)
+            assert float(t["adv"]) == pytest.approx(hit["advantage"], rel=1e-5)
+            assert float(t["hstar"]) == pytest.approx(hit["h_star"], rel=1e-5)
+            assert t["text"].replace("⏎\n", "\n") == hit["token"] or hit["token"].endswith("\ufffd")
+            checked += 1
+    assert checked > 0, "no token the mask acted on was both on the page and in categories.json"

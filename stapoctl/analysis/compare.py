@@ -22,6 +22,7 @@ from rich.markup import escape
 from stapoctl.analysis import figures, protocols
 from stapoctl.analysis.cells import accuracy_cells, default_test_metric, is_accuracy, seed_values
 from stapoctl.analysis.collect import TRAINING_COLUMNS, Comparison, collect, mlflow_client, where
+from stapoctl.analysis.inert_rows import row_lines
 from stapoctl.analysis.statistics import (ALPHA, EXACT_SPLITS, N_RESAMPLES, POWER, RANDOM_STATE, RTOL, RowStats,
                                           Sample, against)
 from stapoctl.analysis.protocols import ProtocolCheck
@@ -114,17 +115,21 @@ def compare(uri: Optional[str], ids: Sequence[str], console: Console, metrics: S
     tested = test_rows(comp, test_metric, baseline, seeds_delta)
     pilot = pilot_view(uri, comp, tested)
     _print(console, comp, columns, tested, protocol, pilot)
+    beside = row_lines(comp, client)  # inert knobs per row; flip rates when rows differ in dtype or transport
+    for line in beside:
+        console.print(line, style="yellow", markup=False, highlight=False, soft_wrap=True)
     curves_name = "training_curves.png"
     out_dir = Path(out) if out else default_out(comp)
     if out and out.endswith(".png"):
         out_dir, curves_name = Path(out).parent, Path(out).name
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = _write(out_dir, comp, columns, tested, protocol, pilot)
+    written = _write(out_dir, comp, columns, tested, protocol, pilot, beside)
     written.update(figures.draw_all(client, comp, out_dir, curves_name=curves_name, panels=list(metrics) or None))
     for sweep in comp.sweeps:
         for path in written.values():
             client.log_artifact(sweep.info.run_id, str(path), keys.COMPARE_DIR)
-    console.print(f"written to [bold]{out_dir}[/]: " + ", ".join(p.name for p in written.values()), highlight=False)
+    console.print(f"written to [bold]{escape(str(out_dir))}[/]: " + escape(", ".join(p.name for p in written.values())),
+                  highlight=False)
     if comp.sweeps:
         console.print("logged to the sweep run" + ("s " if len(comp.sweeps) > 1 else " ")
                       + ", ".join(comp.short[s.info.run_id] for s in comp.sweeps) + f" under {keys.COMPARE_DIR}/",
@@ -139,7 +144,7 @@ def _print(console: Console, comp: Comparison, columns, tested: Optional[Tested]
     console.print(f"[bold red]{escape(protocol.text)}[/]" if protocol.mixed else escape(protocol.text),
                   highlight=False, soft_wrap=True)
     for heading, table in tables(comp, columns):
-        console.print(f"[bold]{heading}[/]", highlight=False)
+        console.print(f"[bold]{escape(heading)}[/]", highlight=False)
         console.print(table)
     if tested:
         console.print(f"[bold]{escape(tested.heading)}[/]", highlight=False)
@@ -150,19 +155,21 @@ def _print(console: Console, comp: Comparison, columns, tested: Optional[Tested]
 
 
 def _write(out_dir: Path, comp: Comparison, columns, tested: Optional[Tested], protocol: ProtocolCheck,
-           pilot: Optional[Pilot]) -> dict[str, Path]:
+           pilot: Optional[Pilot], beside: Sequence[str] = ()) -> dict[str, Path]:
     """table.md / table.csv / table.json in out_dir."""
     written = {"table.md": out_dir / "table.md", "table.csv": out_dir / "table.csv",
                "table.json": out_dir / "table.json"}
     md = markdown(comp, columns) + stats_md(tested)
     if tested and pilot:
         md += confirm_markdown(tested.rows, pilot.rows, tested.scale, pilot.heading)
+    if beside:
+        md += "\n## Beside the rows\n\n" + "".join(f"- {line}\n" for line in beside)
     written["table.md"].write_text(f"{'**' + protocol.text + '**' if protocol.mixed else protocol.text}\n\n{md}")
     rows = records(comp, columns) + stats_records(comp, tested)
     written["table.csv"].write_text(csv_text(rows))
     written["table.json"].write_text(json.dumps(
         {"key": comp.key, "sweeps": [s.info.run_id for s in comp.sweeps], "notes": comp.notes, "rows": rows,
-         "protocol": protocol.to_json(), "statistics": stats_summary(tested),
+         "protocol": protocol.to_json(), "statistics": stats_summary(tested), "beside_rows": list(beside),
          "confirmatory": pilot.to_json() if pilot else None,
          "runs": [{"run_id": t.id, "group": t.group, "seed": t.seed, "name": t.run.info.run_name,
                    "protocols": {src: sha for src, (sha, _) in t.protocols.items()},

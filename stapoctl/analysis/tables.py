@@ -14,6 +14,7 @@ from stapoctl.analysis.cells import accuracy_cells, column_header, training_cell
 from stapoctl.analysis.collect import TRAINING_COLUMNS, Comparison, raised
 from stapoctl.analysis.statistics import ALPHA, RowStats
 from stapoctl.tracking import keys
+from stapoctl.tracking.runs import run_inert
 
 STATS_TABLE = "statistics"
 
@@ -40,22 +41,23 @@ def tables(comp: Comparison, metrics: Sequence[tuple[str, str]] = TRAINING_COLUM
     acc = accuracy_cells(comp)
     cols = list(next(iter(acc.values()), {}).keys())
     t2 = Table(box=box.SIMPLE_HEAD)
-    t2.add_column(comp.key, style="bold", no_wrap=True)
+    t2.add_column(escape(comp.key), style="bold", no_wrap=True)
     for col in cols:
         t2.add_column(column_header(col), justify="right", no_wrap=True, style="bold" if col.startswith("avg/") else None)
     for g, row in acc.items():
-        t2.add_row(g, *(row[c].text(100.0) for c in cols))
+        t2.add_row(escape(g), *(row[c].text(100.0) for c in cols))  # a swept value or run name: text
     if not cols:
         t2.caption = "no val/… or eval/… accuracy in these runs"
     present = _present(comp, metrics)
     tr = training_cells(comp, present)
     t3 = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True)
-    t3.add_column(comp.key, style="bold", no_wrap=True)
+    t3.add_column(escape(comp.key), style="bold", no_wrap=True)
     t3.add_column("n", justify="right")
     for m, h in present:
         t3.add_column(h, justify="right")
     for g, row in tr.items():
-        t3.add_row(g, str(len(comp.groups[g])), *(row[m].text(fmt=".3g", std_fmt=".2g", n=False) for m, _ in present))
+        t3.add_row(escape(g), str(len(comp.groups[g])),
+                   *(row[m].text(fmt=".3g", std_fmt=".2g", n=False) for m, _ in present))
     return [
         (f"Accuracy (%) by {comp.key}: mean ± std over seeds (n seeds); from {_sources(comp)}", t2),
         ("Last logged step: mean ± std over seeds", t3),
@@ -90,7 +92,8 @@ def markdown(comp: Comparison, metrics: Sequence[tuple[str, str]] = TRAINING_COL
               for g, row in tr.items()]
     lines += ["", "## Runs", "", "| group | seed | run | status |", "|---|---|---|---|"]
     lines += [f"| {t.group} | {t.seed} | {comp.short[t.id]} ({t.run.info.run_name}) | {t.run.info.status.lower()}"
-              + (f" (alarm: {', '.join(raised(t.run))})" if raised(t.run) else "") + " |" for t in comp.trials]
+              + (f" (alarm: {', '.join(raised(t.run))})" if raised(t.run) else "")
+              + (f" (inert: {', '.join(run_inert(t.run))})" if run_inert(t.run) else "") + " |" for t in comp.trials]
     return "\n".join(lines) + "\n"
 
 
@@ -157,8 +160,8 @@ def stats_table(stats: Sequence[RowStats], scale: float, delta: Optional[float])
         t.add_column(h, justify="left" if h in ("verdict", "CI method") else "right")
     colors = {"better": "green", "worse": "red"}
     for st in stats:
-        cells = stats_cells(st, scale, seeds)
-        cells[8] = f"[{colors[st.verdict]}]{escape(cells[8])}[/]" if st.verdict in colors else escape(cells[8])
+        cells = [escape(c) for c in stats_cells(st, scale, seeds)]  # the row's name is a swept value: text
+        cells[8] = f"[{colors[st.verdict]}]{cells[8]}[/]" if st.verdict in colors else cells[8]
         t.add_row(*cells)
     return t
 

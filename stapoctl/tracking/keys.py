@@ -42,6 +42,8 @@ ALARM_PREFIX = "stapoctl.alarm."  # stapoctl.alarm.<name>=<step>: a run-health a
 # on a run a run-health alarm stopped (trainer.alarm_action=stop, KILLED): the alarms' names, comma-separated;
 # told apart from a run a person stopped after an alarm had only warned
 ALARM_STOPPED = "stapoctl.alarm_stopped"
+# stapoctl.inert.<knob>=<why>: a configured term that never changed an update (trainer/inert.py)
+INERT_PREFIX = "stapoctl.inert."
 # sha256 of the evaluation protocol (eval/protocol.py) of an eval run, or of a training run's last
 # validation; the canonical JSON itself is the artifact PROTOCOL_ARTIFACT (its sha256 is the tag)
 PROTOCOL = "stapoctl.eval_protocol"
@@ -50,6 +52,11 @@ PROTOCOL_UNKNOWN = "unknown"  # what compare calls a run recorded before protoco
 SWEEP_ROLE = "stapoctl.sweep_role"
 ROLE_CONFIRMATORY = "confirmatory"
 CONFIRMS = "stapoctl.confirms"
+
+# the experiment tag MLflow's own UI writes for its kind: a model-training experiment opens on its runs,
+# not in the GenAI mode with its assistant panel (MLflow 3.17)
+EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_KIND_TRAINING = "custom_model_development"
 
 # -- params and artifacts --------------------------------------------------------------------
 SWEEP_KEY = "sweep.key"

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
+from stapoctl.paths import write_atomic
+
 JOURNAL = "mlflow_journal.jsonl"
 SENT = "mlflow_journal.sent"
 _MAX_METRICS, _MAX_TAGS = 1000, 100  # MLflow's log_batch limits (params: as tags)
@@ -245,13 +247,8 @@ class MetricBuffer:
     def _mark_sent(self, seq: int) -> None:
         """Best effort: a marker left behind (a full disk) only makes a resume send lines again."""
         self.sent_seq = seq
-        tmp = self.sent_path.with_name(self.sent_path.name + ".tmp")
-        try:
-            tmp.write_text(f"{seq}\n")
-            os.replace(tmp, self.sent_path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+        with contextlib.suppress(OSError):  # the temp file is gone either way
+            write_atomic(self.sent_path, f"{seq}\n")
 
     def _send_loop(self) -> None:
         backoff = 0.25

@@ -38,8 +38,24 @@ def setup(configured_uri: str | None, experiment: str) -> str:
             mlflow.create_experiment(experiment, artifact_location=_artifact_root(uri))
         except Exception:  # created concurrently by another process: use theirs
             pass
-    mlflow.set_experiment(experiment)
+    exp = mlflow.set_experiment(experiment)
+    mark_training(exp)
     return uri
+
+
+def mark_training(exp) -> None:
+    """Tag an experiment as model training (`keys.EXPERIMENT_KIND`) unless it already has a kind: MLflow
+    3.17 opens an untagged one in its GenAI mode, where no run metric is in sight."""
+    import mlflow
+
+    from stapoctl.tracking import keys
+
+    if exp is None or (exp.tags or {}).get(keys.EXPERIMENT_KIND):
+        return
+    try:
+        mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, keys.EXPERIMENT_KIND, keys.EXPERIMENT_KIND_TRAINING)
+    except Exception:  # a store that refuses experiment tags still takes the run
+        pass
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import sys
 from typing import Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from stapoctl.errors import UserError
@@ -86,6 +87,13 @@ def run_alarms(run) -> str:
     return ", ".join(f"{name}@{step}" for name, step in found)
 
 
+def run_inert(run) -> dict[str, str]:
+    """knob → why: the configured terms that never changed the run's updates (tags
+    stapoctl.inert.<knob>, written at the run's end by trainer/inert.py)."""
+    t = run.data.tags
+    return {k[len(keys.INERT_PREFIX):]: v for k, v in sorted(t.items()) if k.startswith(keys.INERT_PREFIX)}
+
+
 def alarm_stopped(run) -> list[str]:
     """The alarms that stopped a KILLED run (tag stapoctl.alarm_stopped): a result, not a gap;
     [] for any other run, including one a person stopped after an alarm had only warned."""
@@ -124,7 +132,7 @@ def list_runs(uri: Optional[str], experiment: str, console: Console, max_results
         m = run.data.metrics
         branch = "" if parent is None else prefix + ("└ " if last else "├ ")
         score = m.get(keys.SCORE)
-        table.add_row(short[run.info.run_id], branch + _label(run, parent), _what(run),
+        table.add_row(short[run.info.run_id], escape(branch + _label(run, parent)), escape(_what(run)),  # names: text
                       STATUS.get(run.info.status, run.info.status.lower()) + (" !" if run_alarms(run) else ""),
                       run.data.tags.get(keys.STEP, ""),
                       f"{score:+.2f}" if score is not None else "", _accuracy(run))
@@ -136,8 +144,8 @@ def list_runs(uri: Optional[str], experiment: str, console: Console, max_results
 
     for run in roots:
         add(run, None, "", True)
-    console.print(f"[bold]runs in '{experiment}'[/]", highlight=False)
-    console.print(f"store {tracking_uri(uri)}", style="dim", highlight=False)
+    console.print(f"[bold]runs in '{escape(experiment)}'[/]", highlight=False)
+    console.print(f"store {tracking_uri(uri)}", style="dim", highlight=False, markup=False)
     if not roots:
         console.print("(no runs yet: `stapoctl train`)")
         return []
@@ -145,7 +153,10 @@ def list_runs(uri: Optional[str], experiment: str, console: Console, max_results
     for run in shown:
         if run_alarms(run):
             console.print(f"! {short[run.info.run_id]} alarm: {run_alarms(run)}", style="red", highlight=False,
-                          soft_wrap=True)
+                          markup=False, soft_wrap=True)
+        if run_inert(run):
+            console.print(f"~ {short[run.info.run_id]} inert: " + "; ".join(run_inert(run).values()), style="yellow",
+                          highlight=False, markup=False, soft_wrap=True)
     console.print("Short ids work wherever a run id is taken (compare, eval --model, resume=).",
                   style="dim", highlight=False)
     return shown
@@ -185,6 +196,37 @@ def sweep_view(client, sweep) -> str:
     return share
 
 
+PLAIN_VIEW = "stapoctl-runs"
+
+
+def runs_view(client, exp) -> str:
+    """Register the shared view of the experiment's top-level runs (the sweeps' columns: final
+    validation accuracy, reward, entropy, spurious ratio, response length, the loss and the seed);
+    returns its share key. A plain run shows these instead of no metric column at all."""
+    import json
+
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{keys.PARENT}` IS NULL", max_results=200)
+    val = sorted({m for r in runs for m in r.data.metrics if keys.parse_accuracy_metric(m)})
+    metrics = val + [m for m in SWEEP_METRICS if any(m in r.data.metrics for r in runs)]
+    params = [p for p in (keys.LOSS_NAME, "trainer.seed") if any(p in r.data.params for r in runs)]
+    state = {"orderByKey": "attributes.start_time", "orderByAsc": False,
+             "selectedColumns": [f"params.`{p}`" for p in params] + [f"metrics.`{m}`" for m in metrics]}
+    client.set_experiment_tag(exp.experiment_id, SHARED_VIEW + PLAIN_VIEW, json.dumps(state))
+    return PLAIN_VIEW
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
 def _unspecified(host: str) -> bool:
     import ipaddress
 
@@ -214,7 +256,7 @@ def ui_links(uri: Optional[str], experiment: str, host: str, port: int,
     if exp is None:
         return [(f"no experiment '{experiment}' in the store yet: the experiment list", base)]
     links = [(f"runs of '{experiment}' (nested runs sit under their parent: expand ▸)",
-              f"{base}/{exp.experiment_id}/runs")]
+              f"{base}/{exp.experiment_id}/runs?viewStateShareKey={runs_view(client, exp)}")]
     sweeps = client.search_runs([exp.experiment_id], filter_string=f"tags.`{keys.KIND}` = '{keys.KIND_SWEEP}'",
                                 order_by=["attributes.start_time DESC"], max_results=3)
     for sw in sweeps:

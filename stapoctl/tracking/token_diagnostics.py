@@ -255,9 +255,29 @@ def write(diag: TokenDiagnostics, out_dir: Path | str, loss_name: str = "") -> l
     return [out / f for f in FILES]
 
 
+def write_page(out_dir: Path | str, batch: Any, log_probs: Tensor, entropy: Tensor, loss_cfg: dict, *, step: int,
+               mini_rows: int, decode: Callable[[list[int]], str], drift: Any, seed: int,
+               counts: dict[str, int]) -> Path:
+    """tokens.html (tracking/token_page.py): the per-token trace of a few groups, with the same π, H,
+    h* and categories as categories.json."""
+    from stapoctl.tracking.token_page import FILE, write_page as page
+
+    mask = batch.response_mask.to(torch.bool).cpu()
+    lp, ent = log_probs.detach().float().cpu(), entropy.detach().float().cpu()
+    adv = batch.advantages.detach().float().cpu()
+    h = _thresholds(ent, mask, float(loss_cfg.get("tau_h", 0.2)), str(loss_cfg.get("quantile_interpolation",
+                                                                                      "linear")), mini_rows)
+    cats = token_categories(adv[:, None].expand_as(lp) if adv.dim() == 1 else adv, lp.exp(), ent, mask,
+                            tau_p=float(loss_cfg.get("tau_p", 2e-3)), threshold=h)
+    path = Path(out_dir) / FILE
+    page(path, batch, lp, ent, h, cats, drift=drift, decode=decode, step=step, seed=seed,
+         loss=str(loss_cfg.get("name", "")), labels=CATEGORIES, counts=counts)
+    return path
+
+
 def log_step(batch: Any, log_probs: Tensor, entropy: Tensor, loss_cfg: dict, *, step: int, mini_rows: int,
              decode: Callable[[list[int]], str], keep_dir: Optional[Path] = None,
-             buffer: Any = None) -> TokenDiagnostics:
+             buffer: Any = None, drift: Any = None, seed: int = 0) -> TokenDiagnostics:
     """The training loop's hook: diagnose a scored batch and log it to the active MLflow run
     under diagnostics/step_NNNNNN/. With a journal-backed run (training; `buffer`, else the
     process's active one), the files are written to `keep_dir` and uploaded by the run's sender,
@@ -276,12 +296,15 @@ def log_step(batch: Any, log_probs: Tensor, entropy: Tensor, loss_cfg: dict, *, 
                     silencing=SILENCING.get(name), decode=decode, step=step)
     artifact_path = f"{DIAGNOSTICS_DIR}/step_{step:06d}"
     buffer = buffer if buffer is not None else active()
+    page = dict(step=step, mini_rows=mini_rows, decode=decode, drift=drift, seed=seed, counts=diag.counts)
     if buffer is not None and keep_dir is not None:
         Path(keep_dir).mkdir(parents=True, exist_ok=True)
         write(diag, keep_dir, loss_name=name)
+        write_page(keep_dir, batch, log_probs, entropy, loss_cfg, **page)
         buffer.log_artifacts(str(keep_dir), artifact_path)
         return diag
     with tempfile.TemporaryDirectory() as tmp:
         write(diag, tmp, loss_name=name)
+        write_page(tmp, batch, log_probs, entropy, loss_cfg, **page)
         mlflow.log_artifacts(tmp, artifact_path)
     return diag
