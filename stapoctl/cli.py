@@ -11,14 +11,12 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-app = typer.Typer(
-    name="stapoctl",
-    help="Experiment orchestrator for RL of LLM reasoning (STAPO, GRPO, DAPO, 20-Entropy, "
-    "WAPO, TR-GRPO, ...) on Ray + vLLM + DeepSpeed + MLflow.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+from stapoctl.errors import RunFailed, RunStopped, UserError, labelled
+
+app = typer.Typer(name="stapoctl", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
+                  help="Experiment orchestrator for RL of LLM reasoning (STAPO, GRPO, DAPO, 20-Entropy, "
+                  "WAPO, TR-GRPO, ...) on Ray + vLLM + DeepSpeed + MLflow.")
 data_app = typer.Typer(help="Prepare training and benchmark datasets.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 jobs_app = typer.Typer(help="Jobs sent with `stapoctl submit` (Ray or SLURM): list, status, logs, stop.",
@@ -28,14 +26,19 @@ app.add_typer(jobs_app, name="jobs")
 console = Console()
 err_console = Console(stderr=True)
 
-OVERRIDES_HELP = (
-    "Hydra overrides, e.g. experiment=stapo_qwen3_8b loss=stapo loss.tau_p=2e-3 "
-    "model=Qwen/Qwen3-8B-Base cluster=slurm"
-)
+OVERRIDES_HELP = ("Hydra overrides (key=value, +key=value to add, ~key to delete), e.g. experiment=stapo_qwen3_8b "
+                  "loss=stapo loss.tau_p=2e-3 model=Qwen/Qwen3-8B-Base cluster=slurm")
+
+
+@app.callback(invoke_without_command=True)
+def _root(version: bool = typer.Option(False, "--version", help="Print stapoctl's version and exit.")) -> None:
+    if version:  # the installed package's metadata: the version pip installed
+        from importlib.metadata import version as installed
+        console.print(f"stapoctl {installed('stapoctl')}", highlight=False)
 
 
 def fail(message: str, code: int = 2) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print(labelled("error:", message), highlight=False, soft_wrap=True)  # the text as text
     raise typer.Exit(code)
 
 
@@ -266,32 +269,31 @@ def ui(
     """Start the MLflow UI on the run store; print the URLs of the runs table and of each
     recent sweep's trials side by side."""
     from stapoctl.tracking.mlflow_run import tracking_uri
-    from stapoctl.tracking.runs import serve_ui, ui_links
+    from stapoctl.tracking.runs import is_loopback, serve_ui, ui_links
 
     if not is_loopback(host):
-        err_console.print(f"[yellow]warning:[/] --host {host} serves every run, metric and artifact of "
+        err_console.print(labelled("warning:", f"--host {host} serves every run, metric and artifact of "
                           f"{tracking_uri(uri)} without authentication to anyone who can reach this machine; "
-                          "keep the default 127.0.0.1 and use an SSH tunnel to view it remotely",
+                          "keep the default 127.0.0.1 and use an SSH tunnel to view it remotely", "yellow"),
                           highlight=False, soft_wrap=True)
     links = ui_links(uri, experiment, host, port, run)
-    console.print(f"MLflow UI for {tracking_uri(uri)} (Ctrl-C to stop); open", highlight=False)
-    for what, url in links:
-        console.print(f"  {url}", style="bold", highlight=False, soft_wrap=True)
-        console.print(f"    {what}", style="dim", highlight=False)
+    console.print(f"MLflow UI for {tracking_uri(uri)} (Ctrl-C to stop); open", highlight=False, markup=False)
+    for what, url in links:  # run names and store paths: text, never markup
+        console.print(f"  {url}", style="bold", highlight=False, markup=False, soft_wrap=True)
+        console.print(f"    {what}", style="dim", highlight=False, markup=False)
     sys.stdout.flush()  # before the server takes over the terminal (and for pipes)
     raise typer.Exit(serve_ui(uri, host, port))
 
 
-def is_loopback(host: str) -> bool:
-    """Whether a bind address is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
-    import ipaddress
+@app.command()
+def tokens(run: str = typer.Argument(..., help="A training run id (full or short, as `stapoctl runs` prints)"),
+           step: Optional[int] = typer.Option(None, "--step", help="Diagnostics step (default: the newest)"),
+           open_page: bool = typer.Option(False, "--open", help="Open the page in the browser"),
+           uri: Optional[str] = typer.Option(None, "--uri")) -> None:
+    """Where a run's per-token trace page (diagnostics/step_N/tokens.html) is: its path and MLflow UI link."""
+    from stapoctl.tracking.token_link import show_tokens
 
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve to any interface
-        return False
+    show_tokens(uri, run, step, open_page, console)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -376,20 +378,18 @@ def _exit_now(code: int = 0) -> None:
 
 
 def main() -> None:
-    from stapoctl.errors import RunFailed, RunStopped, UserError
-
     global _AS_PROCESS
     _AS_PROCESS = True
     try:
         app()
     except UserError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(labelled("error:", exc), highlight=False, soft_wrap=True)
         sys.exit(2)
     except RunStopped as exc:
-        err_console.print(f"[yellow]stopped:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(labelled("stopped:", exc, "yellow"), highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except RunFailed as exc:
-        err_console.print(f"[bold red]failed:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(labelled("failed:", exc), highlight=False, soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")

@@ -12,6 +12,12 @@ class RunFailed(RuntimeError):
     prints the message as one line (it says how to resume) and exits 1."""
 
 
+class EngineFault(RunFailed):
+    """An engine actor died or stopped answering where the run cannot carry on without it (a weight
+    push over a transport that cannot re-link a new process, a wait past its bound). The message
+    names the actor, its node and what it was doing; inside a run the trainer adds how to resume."""
+
+
 class RunStopped(RuntimeError):
     """A run stopped on request (a signal), checkpointed unless aborted: exit 128 + signum."""
 
@@ -50,3 +56,12 @@ def exception_chain(exc: BaseException,
         seen.add(id(e))
         yield e
         todo += list(links(e))
+
+
+def labelled(label: str, message: object, style: str = "bold red"):
+    """`label` in `style`, then `message` as plain text (a `rich.text.Text`): an exception's, an
+    engine's or a user's text may hold `[/…]` (gloo's `[/…/pair.cc:553]`, an override value), which
+    rich's markup would read as a closing tag and raise `MarkupError` instead of printing it."""
+    from rich.text import Text
+
+    return Text.assemble((label, style), " ", str(message))

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.engine
 
 N = 4
 DELAY_S = 1.0
+PG_TIMEOUT_S = 777.0
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def linked(tmp_path_factory):
     workers = [make_rollout_worker(spec, num_cpus=0.5) for _ in range(2)]
     learner_cfg = dict(zero_stage=0, lr=1e-3, betas=[0.9, 0.999], weight_decay=0.0, adam_eps=1e-8,
                        warmup_steps=0, grad_clip=1.0, ppo_mini_batch_size=4, micro_batch_size=16,
-                       ppo_epochs=1, logits_chunk_size=64, cpus=0.5, num_gpus=0)
+                       ppo_epochs=1, logits_chunk_size=64, cpus=0.5, num_gpus=0, process_group_timeout_s=PG_TIMEOUT_S)
     loss_cfg = {"name": "grpo", **vars(LOSSES["grpo"].config_cls())}
     learners, _ = make_learner_group(model_dir, learner_cfg, loss_cfg, n_per_prompt=N, temperature=1.0,
                                      dtype="float32", seed=0)
@@ -88,6 +89,14 @@ def test_every_worker_has_its_own_rank_and_the_learners_weights(linked):
     for s in scores(linked, batch):
         assert max_diff(s, learner_lp, batch.response_mask) < 1e-4
     assert timing["timing_s/sync_load"] >= DELAY_S  # each actor's one update call, the test delay inside
+    # what it sent is the model's HF state dict, every name of which vLLM's Qwen3 `load_weights` took
+    # inside the layerwise reload (an unknown name raises there); tests/test_transport_contracts.py
+    # holds NCCL's and IPC's payloads to vLLM's classes
+    from safetensors.torch import load_file
+
+    names = ray.get(linked["learner"].transfer_update_info.remote())["names"]
+    stored = set(load_file(f"{linked['dir']}/model.safetensors"))
+    assert set(names) >= stored and set(names) - stored <= {"lm_head.weight"}, set(names) ^ stored
 
 
 def reset(linked) -> None:
@@ -96,6 +105,14 @@ def reset(linked) -> None:
 
     ray.get(linked["learner"].reset.remote(linked["dir"], linked["learner_cfg"], linked["loss_cfg"], n_per_prompt=N,
                                            temperature=1.0, dtype="float32", seed=0))
+
+
+def test_the_learners_process_group_holds_the_configured_timeout(linked):
+    """Not DeepSpeed's 10-minute default: what `learner.process_group_timeout_s` resolves to (twice the
+    sync timeout unless set) is what torch's gloo group of the rank holds."""
+    import ray
+
+    assert ray.get(linked["learner"].pg_timeout_s.remote()) == PG_TIMEOUT_S
 
 
 def test_gloo_and_the_object_store_deliver_the_same_bits(linked):

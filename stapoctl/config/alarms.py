@@ -41,3 +41,15 @@ class AlarmLimits:
     # stapo/spurious_ratio above spurious_jump × its trailing 10-step mean and above spurious_floor
     spurious_jump: float = spec(5.0, range=POSITIVE)
     spurious_floor: float = spec(0.005, range=SHARE)
+    # a configured term that never changed an update for this many steps (trainer/inert.py: STAPO's
+    # mask on no token, a KL term of 0, …) raises inert_knobs, then inert_action (0: never); the run's
+    # end names such knobs whatever this is
+    inert_steps: int = spec(20, range=NON_NEGATIVE)
+    inert_action: str = spec("warn", choices=("warn", "checkpoint", "stop"))
+    # the weight-sync canary (rollout/logprob_diff_max, per worker; trainer/sync_canary.py): above this
+    # max |Δ log p| between vLLM and the learner a worker holds other weights. fp32 agrees to float
+    # noise (~5e-6); bf16 kernels differ (measured max on the embedded default: docs/RUNS.md "Alarms").
+    # 0 turns the check off. Its own action, stop by default: a wrong policy is worse than a stopped run
+    sync_canary_fp32: float = spec(1e-4, range=NON_NEGATIVE)
+    sync_canary_bf16: float = spec(1.0, range=NON_NEGATIVE)
+    sync_canary_action: str = spec("stop", choices=("warn", "checkpoint", "stop"))

@@ -28,6 +28,10 @@ class ClusterConfig:
     mkl_amd_shim: str = spec("auto", choices=("auto", "on", "off"))
     # how long a run waits for busy resources before it gives up (an impossible placement fails at once)
     placement_timeout_s: float = spec(60.0, range=POSITIVE)
+    # the network interface NCCL and gloo bind on every node (NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME in
+    # every engine actor and SLURM job; `doctor` runs its all-reduce on its address): a multi-homed
+    # node's wrong pick hangs a multi-node run's first rendezvous. null: the environment's, if exported
+    socket_ifname: Optional[str] = None
     # interpreter with stapoctl's dependencies on the cluster's nodes (default: this one,
     # sys.executable, right when the nodes share this filesystem); "python" on a Ray cluster
     # whose nodes have their own environment

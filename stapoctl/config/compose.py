@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from stapoctl import paths
 from stapoctl.errors import UserError
+from stapoctl.config import overrides as ov
 from stapoctl.config import schema as S
 from stapoctl.config.shapes import QWEN3_SHAPES, preset_name
 
@@ -127,19 +128,16 @@ def _rewrite(overrides: list[str]) -> tuple[str, list[str]]:
     rest: list[str] = []
     model_options = set(HF_MODELS) | {"tiny"}
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(
-                f"override '{item}' has no '=': write key=value, e.g. loss.tau_p=2e-3"
-            )
-        if key == "experiment":
+        o = ov.parse(item)  # bad syntax: one line here, before Hydra's three
+        key, value, plain = o.key, o.value, o.kind == ov.SET and o.package is None
+        if plain and key == "experiment":
             experiment = value
-        elif key == "model" and value not in model_options:
+        elif plain and key == "model" and value not in model_options:
             rest.append(f"model.path={value}")
             rest.append(f"model.name={value.rstrip('/').split('/')[-1]}")
             rest.append("model.dtype=bfloat16" if "/" in value and not value.startswith((".", "/")) else "model.dtype=float32")
-        elif key.startswith("+") and not key.startswith("++") and key[1:] in _declared_keys():
-            rest.append(item[1:])  # Hydra refuses to append an existing key: set it
+        elif o.kind == ov.ADD and key in _declared_keys():
+            rest.append(item.lstrip()[1:])  # Hydra refuses to append an existing key: set it
         else:
             rest.append(item)
     return experiment, rest
@@ -174,7 +172,7 @@ def _refuse_unknown_appends(cfg: DictConfig, overrides: list[str]) -> None:
     the fields of the schema and of the selected loss, and new keys of a map field (DICT_FIELDS)."""
     from stapoctl.config.losses import LOSS_CONFIGS
 
-    appended = [o.partition("=")[0].lstrip("+") for o in overrides if o.startswith("+")]
+    appended = [o.key for o in ov.parse_all(overrides) if o.kind in (ov.ADD, ov.FORCE_ADD)]
     if not appended:
         return
     loss_cls = LOSS_CONFIGS.get(str(cfg.loss.get("name", "")))
@@ -188,7 +186,7 @@ def _loss_schema(experiment: str, overrides: list[str], bad_key: str) -> type:
     """The config class of the loss this run selects (compose again without the bad key)."""
     from stapoctl.config.losses import LOSS_CONFIGS
 
-    rest = [o for o in overrides if o.partition("=")[0].lstrip("+~") != bad_key]
+    rest = ov.drop(overrides, [bad_key])
     try:
         with initialize_config_dir(config_dir=str(paths.experiments_dir()), version_base="1.3"):
             name = compose(config_name=experiment, overrides=rest).loss.name
@@ -223,7 +221,7 @@ def _explain(exc: Exception, experiment: str, overrides: list[str]) -> ConfigErr
         )
     bad = None
     for item in overrides:
-        key = item.partition("=")[0].lstrip("+~")
+        key = ov.key_of(item)
         if m and (m.group(1) == key or key.endswith("." + m.group(1)) or m.group(1) in key):
             bad = key
             break
@@ -233,10 +231,15 @@ def _explain(exc: Exception, experiment: str, overrides: list[str]) -> ConfigErr
         ]
         parent = bad.rpartition(".")[0]
         if parent in DICT_FIELDS:  # a map of user keys (e.g. custom Ray resources): new keys need '+'
-            value = next(o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+~") == bad)
+            value = next(o.value for o in ov.parse_all(overrides) if o.key == bad)
             return ConfigError(f"'{bad}' adds a key to the map {parent}: write +{bad}={value}")
         return _unknown_key(bad, valid, _loss_schema(experiment, overrides, bad))
     cause = exc.__cause__ or exc.__context__
+    m_del = re.search(r"Error merging override (~\S+)", msg)
+    if m_del and "does not support deletion" in str(cause):
+        key = ov.key_of(m_del.group(1))
+        return ConfigError(f"'{m_del.group(1)}': {key} is a field of the schema and cannot be deleted (~ deletes "
+                           f"a key of a map such as tracking.tags, or a defaults-list entry): set it, {key}=VALUE")
     detail = str(cause).strip().splitlines()[0] if cause and str(cause).strip() else ""
     first = msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
     return ConfigError(f"bad configuration: {first}" + (f" ({detail})" if detail else ""))
@@ -254,13 +257,30 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
             cfg = compose(config_name=experiment, overrides=rest)
     except Exception as exc:  # Hydra/OmegaConf raise several types; all are user input errors
         raise _explain(exc, experiment, rest) from exc
+    missing = sorted(OmegaConf.missing_keys(cfg))  # `~loss` drops the group's option: Hydra allows it
+    if missing:
+        raise ConfigError(f"'{missing[0]}' has no value (a ~ delete removed it): choose one, e.g. "
+                          f"{missing[0]}={(group_options(missing[0]) or ['VALUE'])[0]}")
     OmegaConf.set_struct(cfg, False)
     cfg.experiment = experiment
     OmegaConf.set_struct(cfg, True)
     _refuse_unknown_appends(cfg, rest)
     _renamed_keys(cfg)
+    _local_model_dtype(cfg, list(overrides or []))
     validate(cfg)
     return cfg
+
+
+def _local_model_dtype(cfg: DictConfig, overrides: list[str]) -> None:
+    """`model=./dir` or `model=/path` trains in float32 on CPU, as the embedded model does, but in
+    bfloat16 when the run asks for GPUs, as a hub id does (fp32 there is twice the memory and no bf16
+    kernels). An explicit `model.dtype=` wins."""
+    from stapoctl.config.validate import asks_gpus
+
+    given = {o.key: o.value for o in ov.parse_all(overrides) if o.kind == ov.SET and o.package is None}
+    local = str(given.get("model", "")).startswith((".", "/"))
+    if local and "model.dtype" not in given and asks_gpus(cfg):
+        cfg.model.dtype = "bfloat16"
 
 
 def _renamed_keys(cfg: DictConfig) -> None:

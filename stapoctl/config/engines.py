@@ -57,7 +57,8 @@ class RolloutConfig:
     # object_store | gloo (a collective over torch.distributed gloo, CPU or GPU) | nccl | ipc
     weight_sync: str = spec("auto", choices=WEIGHT_TRANSPORTS)
     # how long a linked transport's rendezvous waits for every vLLM worker (a missing or duplicate
-    # rank fails after this instead of hanging)
+    # rank fails after this instead of hanging), and how long the driver waits on any push: a worker
+    # that dies or stops answering mid-push ends the run within it, named in one line
     weight_sync_timeout_s: float = spec(1800.0, range=POSITIVE)
 
 
@@ -113,3 +114,7 @@ class LearnerConfig:
     remove_padding: bool = False
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer state on CPU (stages 1-3)
     num_threads: int = 0  # intra-op threads per rank; 0 = auto (as rollout.num_threads)
+    # the ranks' process-group timeout (DeepSpeed's default is 10 min: a push that waits behind long
+    # async rollouts while ranks > 0 sit in a collective outlasts it); null = auto: twice
+    # rollout.weight_sync_timeout_s. At least rollout.weight_sync_timeout_s.
+    process_group_timeout_s: Optional[float] = spec(None, range=POSITIVE)

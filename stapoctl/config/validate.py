@@ -103,6 +103,7 @@ def _check_cross_fields(conf: DictConfig) -> None:
                         "objective's proximal policy is the learner's own, vLLM's log-probs are the stale one's")
     if str(r.weight_sync) in GPU_TRANSPORTS and not asks_gpus(conf):
         raise UserError(f"rollout.weight_sync={r.weight_sync} needs GPUs; on CPU use auto or object_store")
+    _check_transport_layout(str(r.weight_sync), str(lrn.get("placement") or "disaggregated"))
     if t.get("dynamic_sampling") and float(r.temperature) == 0:
         raise UserError("trainer.dynamic_sampling=true needs rollout.temperature > 0: greedy decoding makes the n "
                         "responses of a prompt identical, so every group would be dropped")
@@ -111,8 +112,34 @@ def _check_cross_fields(conf: DictConfig) -> None:
         raise UserError(f"reward.overlong_buffer={buffer} must be below rollout.max_response_length="
                         f"{r.max_response_length} (the penalty ramps over the last buffer tokens of the budget): "
                         "lower reward.overlong_buffer or raise rollout.max_response_length")
+    _check_engine_timeouts_and_network(conf)
     if not conf.model.path:  # the embedded model: its context is in the config
         check_context(conf, int(conf.model.tiny.max_position_embeddings), "model.tiny.max_position_embeddings")
+
+
+def _check_engine_timeouts_and_network(conf: DictConfig) -> None:
+    r, lrn = conf.rollout, conf.learner
+    ifname = conf.cluster.get("socket_ifname")
+    if ifname and not re.fullmatch(r"[A-Za-z0-9_.:@-]+", str(ifname)):
+        raise UserError(f"cluster.socket_ifname={ifname}: name one network interface (e.g. ib0, eth1); it sets both "
+                        "NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, and gloo takes no NCCL pattern (^…, lists): "
+                        "export NCCL_SOCKET_IFNAME yourself for those")
+    pg = lrn.get("process_group_timeout_s")
+    if pg and float(pg) < float(r.weight_sync_timeout_s):
+        raise UserError(f"learner.process_group_timeout_s={pg:g} is below rollout.weight_sync_timeout_s="
+                        f"{r.weight_sync_timeout_s:g}: a push would time the ranks' collectives out before the driver "
+                        "names the stalled actor; raise it (or leave it null: twice the sync timeout)")
+
+
+def _check_transport_layout(method: str, placement: str) -> None:
+    """CUDA IPC opens the learner's tensors on the vLLM worker's own GPU (vLLM looks its handle up by
+    that GPU's UUID), so it needs the GPUs shared; NCCL refuses two ranks of one group on one GPU."""
+    if method == "ipc" and placement != "colocated":
+        raise UserError("rollout.weight_sync=ipc needs learner.placement=colocated (vLLM opens CUDA IPC handles of "
+                        "tensors on its own GPU): use rollout.weight_sync=nccl (or auto) for disaggregated GPUs")
+    if method == "nccl" and placement == "colocated":
+        raise UserError("rollout.weight_sync=nccl cannot link a learner rank and a vLLM worker on one GPU (NCCL "
+                        "refuses duplicate GPUs in a group): use rollout.weight_sync=ipc (or auto) when colocated")
 
 
 def token_budget_conflict(learner: Any, loss: Any) -> Optional[str]:

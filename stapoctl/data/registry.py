@@ -16,6 +16,7 @@ from stapoctl.data import sources as S
 from stapoctl.data import toy
 from stapoctl.data.origin import apply_template, find_origin, normalized_rows, prep_progress
 from stapoctl.data.templates import tokenizer_for_template
+from stapoctl.errors import labelled
 
 log = logging.getLogger("stapoctl.data")
 
@@ -49,7 +50,7 @@ def load_rows(name: str, data_cfg, tokenizer_path=None, split: str | None = None
                            f"(first: {stats.problems[0]})")
                 log.warning(message)
                 if console is not None:
-                    console.print(f"[yellow]warning:[/] {message}", highlight=False)
+                    console.print(labelled("warning:", message, "yellow"), highlight=False)  # row text: text
             if stats.duplicates:
                 log.info("%s: %d duplicate problems dropped, %d unique kept", name, stats.duplicates, stats.kept)
         out = apply_template(rows, template=data_cfg.template, instruction=data_cfg.instruction,

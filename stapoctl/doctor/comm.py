@@ -6,6 +6,9 @@ troubleshooting script does). The rows that need CUDA are N/A without it."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +18,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from stapoctl.doctor.rows import Row, failed, not_applicable, passed
+from stapoctl.errors import UserError
 
 WORLD = 2
 _ANSWER = "STAPOCTL-DOCTOR-RANK "
@@ -70,13 +74,38 @@ def check_gpus(conf: DictConfig) -> Row:
 
 
 # -- the all-reduce ------------------------------------------------------------------------------
-def _rank_main(rank: int, world: int, port: int, backend: str) -> tuple[dict, Optional[str]]:
+PLAIN_IFNAME = re.compile(r"[A-Za-z0-9_.:@-]+")
+
+
+def rendezvous_address(conf: Any = None) -> tuple[str, dict[str, str]]:
+    """Where the doctor's ranks meet, and their interface variables: the address of
+    `cluster.socket_ifname` (what NCCL and gloo bind in a multi-node run), else 127.0.0.1 — a node
+    whose multi-node interface is not named is checked on loopback only, and the row says so."""
+    from stapoctl.launch.ray_runtime import interface_env
+
+    env = interface_env(getattr(conf, "cluster", None))
+    # one interface named plainly; a site's NCCL pattern (`^lo,docker0`, a prefix list) names no address
+    name = next((v for v in (env.get("GLOO_SOCKET_IFNAME"), env.get("NCCL_SOCKET_IFNAME"))
+                 if v and PLAIN_IFNAME.fullmatch(v)), None)
+    if not name:
+        return "127.0.0.1", env
+    import psutil
+
+    addrs = psutil.net_if_addrs().get(name, [])
+    ipv4 = next((a.address for a in addrs if a.family == socket.AF_INET), None)
+    if ipv4 is None:
+        raise UserError(f"cluster.socket_ifname={name}: no interface of that name with an IPv4 address on this node "
+                        f"(it has {', '.join(sorted(psutil.net_if_addrs()))}): name one of them")
+    return ipv4, env
+
+
+def _rank_main(rank: int, world: int, port: int, backend: str, host: str = "127.0.0.1") -> tuple[dict, Optional[str]]:
     """One rank (its own process): rank r contributes r + 1; (stage → mean result, error)."""
     try:
         import torch
         import torch.distributed as dist
 
-        dist.init_process_group("gloo" if backend == "gloo" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+        dist.init_process_group("gloo" if backend == "gloo" else "nccl", init_method=f"tcp://{host}:{port}",
                                 rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S / 2))
         results: dict[str, Any] = {}
         if backend == "gloo":
@@ -133,14 +162,16 @@ def _answer(proc: subprocess.Popen, rank: int, timeout_s: float) -> tuple[dict, 
     return results, error
 
 
-def run_ranks(backend: str, world: int = WORLD, timeout_s: float = TIMEOUT_S) -> dict[int, tuple[dict, Optional[str]]]:
+def run_ranks(backend: str, world: int = WORLD, timeout_s: float = TIMEOUT_S, host: str = "127.0.0.1",
+              env: Optional[dict] = None) -> dict[int, tuple[dict, Optional[str]]]:
     """rank → (stage → mean, error) of `world` ranks, each its own `python -m stapoctl.doctor.comm`
     (not multiprocessing's spawn, which re-runs the parent's main script: a Ray or SLURM job's)."""
     from stapoctl.learner.engine_setup import free_port
 
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "stapoctl.doctor.comm", str(r), str(world), str(port), backend],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, "-m", "stapoctl.doctor.comm", str(r), str(world), str(port), backend,
+                               host], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **(env or {})}) for r in range(world)]
     deadline = time.monotonic() + timeout_s
     return {r: _answer(p, r, max(1.0, deadline - time.monotonic())) for r, p in enumerate(procs)}
 
@@ -168,21 +199,30 @@ def allreduce_rows(conf: DictConfig) -> list[Row]:
     import torch
 
     rows: list[Row] = []
+    host, env = rendezvous_address(conf)
     if float(conf.learner.gpus_per_rank or 0) > 0:
         rows.append(not_applicable("all-reduce gloo", "the learner runs on GPUs: NCCL below"))
     else:
-        rows.append(stage_row("all-reduce gloo", "gloo", run_ranks("gloo"), GLOO_FIX))
+        rows.append(_on(stage_row("all-reduce gloo", "gloo", run_ranks("gloo", host=host, env=env), GLOO_FIX), host))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus < WORLD:
         why = "no CUDA device here" if gpus == 0 else "one GPU here: two ranks need two GPUs"
         return rows + [not_applicable("all-reduce NCCL", why), not_applicable("all-reduce vLLM pynccl", why)]
-    got = run_ranks("nccl")
-    rows.append(stage_row("all-reduce NCCL", "nccl", got, NCCL_FIX))
+    got = run_ranks("nccl", host=host, env=env)
+    rows.append(_on(stage_row("all-reduce NCCL", "nccl", got, NCCL_FIX), host))
     rows.append(stage_row("all-reduce vLLM pynccl", "pynccl", got,
                           "vLLM's NCCL library differs from torch's: set VLLM_NCCL_SO_PATH to torch's libnccl"))
     return rows
 
 
+def _on(row: Row, host: str) -> Row:
+    """The row's detail says where the ranks met (loopback checks no multi-node interface)."""
+    where = (f"on {host} (cluster.socket_ifname's address)" if host != "127.0.0.1" else
+             "on 127.0.0.1 (loopback only: set cluster.socket_ifname to check the interface a multi-node run uses)")
+    return Row(row.check, row.status, f"{row.detail}; {where}", row.fix)
+
+
 if __name__ == "__main__":  # one rank of `run_ranks`
     _rank, _world, _port, _backend = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    print(_ANSWER + json.dumps(_rank_main(_rank, _world, _port, _backend)), flush=True)
+    _host = sys.argv[5] if len(sys.argv) > 5 else "127.0.0.1"
+    print(_ANSWER + json.dumps(_rank_main(_rank, _world, _port, _backend, _host)), flush=True)

@@ -21,7 +21,7 @@ from stapoctl.doctor.rows import Row, failed, from_error, not_applicable, passed
 # training canary under 1e-4); bf16/fp16 kernels of vLLM and the learner differ by ~6e-2-9e-2
 SYNC_TOLERANCE = {"float32": 1e-4, "fp32": 1e-4}
 SYNC_TOLERANCE_LOW_PRECISION = 0.25
-PERTURB_SCALE = 0.05
+PERTURB_SCALE = 0.2  # × each weight tensor's std: the same relative change at 0.5M or 8B parameters
 KV_SHORTFALL = 0.9  # vLLM got less than this share of the expected KV cache: FAIL
 ENGINES_FIX = ("run `stapoctl train trainer.total_steps=1` to see the engines' own error, or check "
                "rollout.kv_cache_gb / rollout.gpu_memory_utilization and the model's dtype")
@@ -103,7 +103,7 @@ def canary(engines: Any, model_path: str) -> tuple[float, float, float]:
     import ray
 
     batch = fixed_batch(model_path, int(engines.info.get("pad_token_id") or 0))
-    ray.get([h.perturb_weights.remote(PERTURB_SCALE, seed=7) for h in engines.learners])
+    ray.get([h.perturb_weights.remote(PERTURB_SCALE, seed=7, relative=True) for h in engines.learners])
     learner_lp = ray.get([h.compute_log_probs.remote(batch) for h in engines.learners])[0]["log_prob"]
 
     def diffs() -> list[float]:
@@ -125,11 +125,24 @@ def ranks_row(engines: Any, tp_size: int) -> Row:
     from stapoctl.sync.transports import transport
 
     method = engines.info["sync_method"]
-    if transport(method).vllm_backend is None:
-        return not_applicable("transfer ranks", f"{method}: no process group (each actor loads from the object store)")
+    if not transport(method).rendezvous:
+        return ranks_verdict(method, [], len(engines.workers), tp_size)
     ranks = [r for per in ray.get([w.transfer_ranks.remote() for w in engines.workers]) for r in per]
-    want = list(range(1, 1 + len(engines.workers) * int(tp_size)))
-    detail = f"{method}: {len(engines.workers)} engine(s) × TP {tp_size} on ranks {ranks} (learner rank 0)"
+    return ranks_verdict(method, ranks, len(engines.workers), tp_size)
+
+
+def ranks_verdict(method: str, ranks: list, workers: int, tp_size: int) -> Row:
+    """The row from the ranks the worker processes report (`worker_extension.transfer_rank`)."""
+    from stapoctl.sync.transports import transport
+
+    t = transport(method)
+    if t.vllm_backend is None:
+        return not_applicable("transfer ranks", f"{method}: no process group (each actor loads from the object store)")
+    if not t.rendezvous:
+        return not_applicable("transfer ranks", f"{method}: no process group (each vLLM worker opens the learner's "
+                              "CUDA IPC handles on its own GPU)")
+    want = list(range(1, 1 + workers * int(tp_size)))
+    detail = f"{method}: {workers} engine(s) × TP {tp_size} on ranks {ranks} (learner rank 0)"
     if sorted(ranks) != want:
         return failed("transfer ranks", detail, f"expected each of {want} once: report this (sync/client.py)")
     return passed("transfer ranks", detail)

@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional, Sequence
 
+from rich.markup import escape
 from rich.table import Table
 
 PASS, FAIL, NA = "PASS", "FAIL", "N/A"
@@ -76,15 +77,15 @@ def exit_code(rows: Sequence[Row]) -> int:
 
 def table(rows: Iterable[Row], title: Optional[str] = None) -> Table:
     """One rich table, a row per check; a failing row's detail ends with its fix on its own line."""
-    out = Table(title=title, title_justify="left", show_lines=False)
+    out = Table(title=escape(title) if title else title, title_justify="left", show_lines=False)  # a host name
     out.add_column("check", style="bold", no_wrap=True)
     out.add_column("status", no_wrap=True)
     out.add_column("detail", overflow="fold")
     for r in rows:
-        detail = r.detail
+        detail = escape(r.detail)  # exceptions, paths, versions: text, never markup
         if r.status == FAIL and r.fix:
-            detail = f"{detail}\n[yellow]fix:[/] {r.fix}" if detail else f"[yellow]fix:[/] {r.fix}"
-        out.add_row(r.check, f"[{_STYLE[r.status]}]{r.status}[/]", detail)
+            detail = f"{detail}\n[yellow]fix:[/] {escape(r.fix)}" if detail else f"[yellow]fix:[/] {escape(r.fix)}"
+        out.add_row(escape(r.check), f"[{_STYLE[r.status]}]{r.status}[/]", detail)
     return out
 
 

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from stapoctl.doctor.rows import Row, from_error, summary, table, to_json
+from stapoctl.errors import labelled
 
 
 def guarded(check: str, fn: Callable[[], object], fix: str) -> list[Row]:
@@ -33,7 +34,7 @@ def status_line(console: Optional[Console]) -> Iterator[Callable[[str], None]]:
         yield lambda msg: None
         return
     with console.status("") as status:
-        yield lambda msg: status.update(f"[bold]doctor:[/] {msg}")
+        yield lambda msg: status.update(labelled("doctor:", msg, "bold"))
 
 
 def run_checks(conf: DictConfig, status_console: Optional[Console] = None) -> list[Row]:

@@ -54,6 +54,7 @@ def stop_workers(workers: Sequence[Any]) -> None:
 def generate_remaining(conf: Any, jobs: list[dict], model_path: str, max_response: int, console: Any) -> float:
     """Start Ray, the actors and the verifier pool; run every job's remaining problems."""
     import ray
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from stapoctl.launch.ray_runtime import ensure_ray, shutdown_ray
@@ -66,7 +67,7 @@ def generate_remaining(conf: Any, jobs: list[dict], model_path: str, max_respons
     scorer = None
     try:
         max_model_len = max(job["max_model_len"] for job in jobs if job["todo"])
-        with console.status(f"starting {int(conf.rollout.num_workers)} vLLM worker(s) for {model_path}"):
+        with console.status(f"starting {int(conf.rollout.num_workers)} vLLM worker(s) for {escape(str(model_path))}"):
             workers = start_workers(conf, model_path, max_model_len)
             scorer = reward_pool(conf.reward)
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

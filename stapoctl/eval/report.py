@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from stapoctl.data.benches import EVAL_BENCHES, PAPER_BENCHES, TITLES
@@ -42,7 +43,7 @@ def table2(summary: dict[str, Any]) -> Table:
         n = next(iter(averages.values()))["benches"]
         table.add_column("Avg" if n == len(PAPER_BENCHES) else f"Avg ({n} of {len(PAPER_BENCHES)})",
                          justify="right", style="bold")
-    row = [summary.get("model_name") or summary["model"]]
+    row = [escape(str(summary.get("model_name") or summary["model"]))]  # a path or hub id: text
     for b in benches:
         row.append(_cell({r["decoding"]: r for r in results if r["bench"] == b}, decodings))
     if averages:
@@ -92,9 +93,9 @@ def print_report(summary: dict[str, Any], console: Any) -> None:
     console.print(table2(summary))
     console.print(details(summary))
     for line in notes(summary):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, markup=False)
     console.print(
         f"model: {summary['model_path']}  ·  max response {summary['max_response_length']} tokens  ·  "
         f"wall {summary['wall_s']:.1f}s (engines {summary['engine_s']:.1f}s)",
-        highlight=False,
+        highlight=False, markup=False,
     )

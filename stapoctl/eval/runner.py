@@ -34,6 +34,7 @@ class Problem:
     answer: str
     question: str
     too_long: bool = False  # prompt does not fit the model's context: skipped, scored incorrect
+    kind: str | None = None  # the answer kind data prep wrote (how a list gold compares); None: its form
 
 
 def prepare_problems(rows: Sequence[dict], tokenizer: Any, max_model_len: int) -> list[Problem]:
@@ -42,14 +43,14 @@ def prepare_problems(rows: Sequence[dict], tokenizer: Any, max_model_len: int) -
     for row in rows:
         ids = list(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"])
         out.append(Problem(str(row["id"]), ids, str(row["answer"]), str(row.get("problem", row["prompt"])),
-                           too_long=len(ids) >= max_model_len))
+                           too_long=len(ids) >= max_model_len, kind=row.get("answer_kind")))
     return out
 
 
 def _skipped_records(p: Problem, k: int, bench: str, decoding: str) -> list[dict]:
     return [
         {"bench": bench, "decoding": decoding, "id": p.id, "sample_index": j, "response": "",
-         "extracted": None, "reference": p.answer, "correct": False, "length": 0,
+         "extracted": None, "reference": p.answer, "answer_kind": p.kind, "correct": False, "length": 0,
          "truncated": False, "finish_reason": "skipped", "skipped": True, "timed_out": False,
          "prompt_tokens": len(p.prompt_ids)}
         for j in range(k)
@@ -118,10 +119,10 @@ def _verify(scorer: Any, parts: list[tuple[list[Problem], list]], bench: str, de
             if len(samples) != k:
                 raise RuntimeError(f"engine returned {len(samples)} samples for {p.id}, asked for {k}")
     verdicts = scorer.judge([s.text for _, _, s in flat], [p.answer for p, _, _ in flat],
-                            [p.question for p, _, _ in flat])
+                            [p.question for p, _, _ in flat], [p.kind for p, _, _ in flat])
     return [
         {"bench": bench, "decoding": decoding, "id": p.id, "sample_index": j, "response": s.text,
-         "extracted": v.extracted, "reference": p.answer, "correct": bool(v.correct),
+         "extracted": v.extracted, "reference": p.answer, "answer_kind": p.kind, "correct": bool(v.correct),
          "length": len(s.token_ids), "truncated": s.finish_reason == "length",
          "finish_reason": s.finish_reason, "skipped": False, "timed_out": bool(v.timed_out),
          "prompt_tokens": len(p.prompt_ids)}

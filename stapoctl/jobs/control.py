@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from stapoctl.errors import UserError
@@ -63,9 +64,9 @@ def task_states(rec: records.JobRecord, task: Optional[str] = None) -> dict[str,
 def list_jobs(console: Console, limit: int = 20) -> None:
     recs = records.load_all()[:limit]
     if not recs:
-        console.print(f"no jobs submitted from here yet ({records.jobs_root()})")
+        console.print(f"no jobs submitted from here yet ({records.jobs_root()})", markup=False)
         return
-    table = Table(title=f"jobs submitted from here ({records.jobs_root()})")
+    table = Table(title=escape(f"jobs submitted from here ({records.jobs_root()})"))  # cells: text, never markup
     for col in ("job id", "backend", "submitted", "run name", "state", "logs"):
         table.add_column(col, overflow="fold")
     for rec in recs:
@@ -77,8 +78,8 @@ def list_jobs(console: Console, limit: int = 20) -> None:
         except UserError:
             state = "unreachable"
         when = dt.datetime.fromtimestamp(rec.submitted_at).strftime("%Y-%m-%d %H:%M")
-        table.add_row(rec.job_id, rec.backend + (" array" if rec.kind == "array" else ""), when, rec.name,
-                      state, _logs_hint(rec))
+        table.add_row(escape(rec.job_id), rec.backend + (" array" if rec.kind == "array" else ""), when,
+                      escape(rec.name), escape(state), escape(_logs_hint(rec)))
     console.print(table)
 
 
@@ -92,7 +93,7 @@ def _logs_hint(rec: records.JobRecord) -> str:
 
 def show_status(job_id: str, console: Console, address: Optional[str] = None) -> None:
     rec, task = resolve(job_id, address)
-    table = Table(title=f"{rec.backend} job {job_id} · {rec.name}", show_header=True)
+    table = Table(title=escape(f"{rec.backend} job {job_id} · {rec.name}"), show_header=True)
     for col in ("job", "state", "details"):
         table.add_column(col, overflow="fold")
     if rec.backend == "slurm":
@@ -109,7 +110,7 @@ def show_status(job_id: str, console: Console, address: Optional[str] = None) ->
             if run_id and not any(run_id in d for d in details):
                 details.append(f"MLflow run {run_id}")
             details.append(f"log {slurm.log_path(rec, t)}")
-            table.add_row(t, slurm.task_state(rec, t, live), " · ".join(details))
+            table.add_row(escape(t), escape(slurm.task_state(rec, t, live)), escape(" · ".join(details)))
     else:
         from stapoctl.jobs import ray_jobs
 
@@ -117,7 +118,7 @@ def show_status(job_id: str, console: Console, address: Optional[str] = None) ->
             st = ray_jobs.status(rec.address, t)
             details = [st["message"]] if st["message"] else []
             details.append(f"run {st['metadata'].get('stapoctl.run_name', '?')} on {rec.address}")
-            table.add_row(t, st["state"], " · ".join(details))
+            table.add_row(escape(t), escape(st["state"]), escape(" · ".join(details)))  # Ray's message: text
     console.print(table)
 
 
@@ -145,11 +146,11 @@ def show_logs(job_id: str, console: Console, follow: bool = False, address: Opti
         for t in _tasks(rec, None):
             path = slurm.log_path(rec, t)
             if len(_tasks(rec, None)) > 1:
-                console.rule(t)
+                console.rule(escape(t))
             if path.is_file():
                 console.out(path.read_text(errors="replace"), highlight=False, end="")
             else:
-                console.print(f"[dim]no log yet at {path} (state {task_states(rec, t)[t]})[/]")
+                console.print(f"no log yet at {path} (state {task_states(rec, t)[t]})", style="dim", markup=False)
         return 0
     from stapoctl.jobs import ray_jobs
 

@@ -28,10 +28,13 @@ from typing import Any, Optional, Sequence
 
 import submitit
 from rich.console import Console
+from rich.markup import escape
 
 from stapoctl import paths
+from stapoctl.config import overrides as ov
 from stapoctl.errors import UserError
 from stapoctl.jobs import presets, records, sbatch
+from stapoctl.launch.ray_runtime import interface_env
 
 # scontrol's job states after which nothing more happens (REQUEUED/COMPLETING/PENDING go on)
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
@@ -63,8 +66,8 @@ class TrainJob(submitit.helpers.Checkpointable):
             overrides.append(f"cluster.address={os.environ[sbatch.RAY_ADDRESS_ENV]}")
         restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
         console = Console()
-        console.print(f"[bold]SLURM job {env.job_id}[/] on {env.hostname} (restart {restarts})"
-                      + (f", resuming {resume}" if resume else "") + f": stapoctl train {shlex.join(overrides)}")
+        console.print(f"[bold]SLURM job {env.job_id}[/] on {env.hostname} (restart {restarts})" + escape(
+                      (f", resuming {resume}" if resume else "") + f": stapoctl train {shlex.join(overrides)}"))
         conf = presets.apply(compose_config(overrides), overrides)
         summary = train(conf, console=console)
         _tag_run(summary, {"stapoctl.launcher": "slurm", "stapoctl.slurm.job_id": env.job_id,
@@ -161,7 +164,7 @@ def plan(conf, job_overrides: list[str], folder: Path, tracking_uri: str, job_na
     python = c.python or None
     setup = [f"# job: stapoctl train {shlex.join(job_overrides)}"]
     setup += [str(line) for line in c.setup]
-    setup += sbatch.env_lines(job_environment(tracking_uri), str(paths.project_root()))
+    setup += sbatch.env_lines({**job_environment(tracking_uri), **interface_env(c)}, str(paths.project_root()))
     params: dict[str, Any] = {
         "job_name": job_name[:64],
         "time": int(c.timeout_min),
@@ -193,8 +196,8 @@ def plan(conf, job_overrides: list[str], folder: Path, tracking_uri: str, job_na
 def job_overrides(conf, overrides: Sequence[str], run_name: Optional[str], tracking_uri: str) -> list[str]:
     """The user's overrides plus what the job must not guess: the store, the run's name, and Ray
     sized to the allocation (unless given)."""
-    given = {o.partition("=")[0].lstrip("+~") for o in overrides}
-    out = [o for o in overrides if o.partition("=")[0].lstrip("+~") not in ("tracking.uri", "tracking.run_name")]
+    given = ov.keys(overrides)
+    out = ov.drop(overrides, ("tracking.uri", "tracking.run_name"))
     out.append(f"tracking.uri={tracking_uri}")
     if run_name:
         out.append(f"tracking.run_name={run_name}")
@@ -287,13 +290,18 @@ def states(job_id: str) -> dict[str, dict[str, str]]:
     return found
 
 
+def job_paths(rec: records.JobRecord, task: str) -> submitit.core.utils.JobPaths:
+    """Where submitit writes a task's log and result (its naming, not ours; the driver is task 0)."""
+    return submitit.core.utils.JobPaths(Path(rec.folder or rec.directory), job_id=task, task_id=0)
+
+
 def log_path(rec: records.JobRecord, task: str) -> Path:
-    return Path(rec.folder or rec.directory) / f"{task}_0_log.out"
+    return job_paths(rec, task).stdout
 
 
 def result(rec: records.JobRecord, task: str) -> Optional[tuple[str, Any]]:
     """submitit's (outcome, value) of a finished task, None while there is none."""
-    path = Path(rec.folder or rec.directory) / f"{task}_0_result.pkl"
+    path = job_paths(rec, task).result_pickle
     if not path.is_file():
         return None
     try:

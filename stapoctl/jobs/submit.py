@@ -16,8 +16,9 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig
 from rich.console import Console
+from rich.markup import escape
 
-from stapoctl.errors import UserError
+from stapoctl.errors import UserError, labelled
 from stapoctl.jobs import presets, records
 
 BACKENDS = ("ray", "slurm")
@@ -79,7 +80,7 @@ def _submit_ray(conf, overrides, run_name, uri, dry_run, follow, console) -> int
     rec = records.JobRecord("ray", job_id, run_name, records.new_local_id("ray"), address=spec.address,
                             overrides=overrides, tracking_uri=uri)
     rec.save()
-    console.print(f"submitted Ray job [bold]{job_id}[/] to {spec.address} · run '{run_name}' "
+    console.print(f"submitted Ray job [bold]{job_id}[/] to {escape(spec.address)} · run '{escape(run_name)}' "
                   f"({spec.metadata['stapoctl.ship_code']} code)")
     _print_hints(job_id, console)
     if not follow:
@@ -100,7 +101,7 @@ def _submit_slurm(conf, overrides, run_name, uri, dry_run, follow, console) -> i
         try:
             _check_slurm(conf, required=False)
         except UserError as exc:  # show the script anyway: it may be meant for another site
-            console.print(f"[yellow]warning:[/] submitting this would fail here: {exc}", highlight=False,
+            console.print(labelled("warning:", f"submitting this would fail here: {exc}", "yellow"), highlight=False,
                           soft_wrap=True)
         return 0
     _check_slurm(conf, required=True)
@@ -109,9 +110,10 @@ def _submit_slurm(conf, overrides, run_name, uri, dry_run, follow, console) -> i
                             tracking_uri=uri)
     rec.save()
     c = conf.cluster
-    console.print(f"submitted SLURM job [bold]{job_id}[/] · run '{run_name}' · {c.nodes} node(s) × "
-                  f"{c.cpus_per_task} CPUs, {c.gpus_per_node} GPUs · partition {c.partition or '(default)'}")
-    console.print(f"  log file: {slurm.log_path(rec, job_id)}")
+    console.print(f"submitted SLURM job [bold]{job_id}[/] · run '{escape(run_name)}' · {c.nodes} node(s) × "
+                  f"{c.cpus_per_task} CPUs, {c.gpus_per_node} GPUs · "
+                  f"partition {escape(str(c.partition or '(default)'))}")
+    console.print(f"  log file: {slurm.log_path(rec, job_id)}", markup=False)
     _print_hints(job_id, console)
     if not follow:
         return 0
@@ -140,7 +142,7 @@ def _report(final: dict[str, str], good: set[str], console: Console) -> int:
     bad = {t: s for t, s in final.items() if s not in good}
     for task, state in final.items():
         colour = "green" if state in good else "red"
-        console.print(f"job {task}: [{colour}]{state}[/]")
+        console.print(f"job {escape(task)}: [{colour}]{escape(state)}[/]")
     if bad:
         console.print(f"see the logs: stapoctl jobs logs {next(iter(bad))}")
     return 0 if not bad else 1
@@ -180,7 +182,7 @@ def submit_trials(base_overrides: Sequence[str], trials: Sequence[Sequence[str]]
                                 folder=str(folder), tasks=tasks, trials=per_trial, overrides=base,
                                 parent_run_id=parent_run_id, tracking_uri=uri)
         rec.save()
-        console.print(f"submitted SLURM job array [bold]{rec.job_id}[/] · {len(tasks)} trials of '{name}' "
+        console.print(f"submitted SLURM job array [bold]{rec.job_id}[/] · {len(tasks)} trials of '{escape(name)}' "
                       f"({conf.cluster.array_parallelism} at once) · parent run {parent_run_id}")
         _print_hints(rec.job_id, console)
         return rec
@@ -197,7 +199,8 @@ def submit_trials(base_overrides: Sequence[str], trials: Sequence[Sequence[str]]
     rec = records.JobRecord("ray", local_id, name, local_id, kind="array", address=address, tasks=tasks,
                             trials=per_trial, overrides=base, parent_run_id=parent_run_id, tracking_uri=uri)
     rec.save()
-    console.print(f"submitted {len(tasks)} Ray jobs for '{name}' to {address} · parent run {parent_run_id}")
+    console.print(f"submitted {len(tasks)} Ray jobs for '{name}' to {address} · parent run {parent_run_id}",
+                  markup=False)
     _print_hints(local_id, console)
     return rec
 
@@ -233,6 +236,6 @@ def wait(rec: records.JobRecord, console: Optional[Console] = None, poll_s: floa
         return {tasks[0]: ray_jobs.follow(rec.address, tasks[0], console)}
     while True:
         final = {t: ray_jobs.status(rec.address, t)["state"] for t in tasks}
-        if all(s in ray_jobs.TERMINAL for s in final.values()):
+        if all(ray_jobs.is_terminal(s) for s in final.values()):
             return final
         time.sleep(poll_s)

@@ -55,7 +55,14 @@ def role_plans(rollout_cfg: Any, learner_cfg: Any) -> list[RolePlan]:
                 f"learner.placement=colocated needs rollout GPUs (rollout.num_workers {workers} × {r_gpu:g}) "
                 f"== learner.num_ranks ({ranks}): change one of them, or use learner.placement=disaggregated"
             )
-        cpus = float(rollout_cfg.cpus_per_worker) / max(1, int(rollout_cfg.tensor_parallel_size)) + float(learner_cfg.cpus)
+        tp = max(1, int(rollout_cfg.tensor_parallel_size))
+        if r_gpu != tp or l_gpu != 1:
+            raise UserError(
+                f"learner.placement=colocated shares one GPU between a learner rank and a vLLM tensor-parallel rank: "
+                f"set rollout.gpus_per_worker={tp} (= rollout.tensor_parallel_size; now {r_gpu:g}) and "
+                f"learner.gpus_per_rank=1 (now {l_gpu:g}), or use learner.placement=disaggregated"
+            )
+        cpus = float(rollout_cfg.cpus_per_worker) / tp + float(learner_cfg.cpus)
         return [RolePlan("colocated", ranks, _bundle(cpus, 1.0, learner_cfg.get("resources")),
                          str(learner_cfg.get("placement_strategy") or "PACK"))]
     return [
@@ -100,6 +107,68 @@ def check_fits(plans: list[RolePlan], have: dict[str, float], where: str = "the 
             )
 
 
+@dataclass(frozen=True)
+class ActorAsk:
+    """What one actor asks Ray for, and the bundle of which role's group it lands in. vLLM's own Ray
+    workers (colocated TP > 1: `vllm_tp_worker`, num_cpus=0 and VLLM_RAY_PER_WORKER_GPUS each, as
+    vllm/v1/executor/ray_executor_v2.py asks) are counted too: they share the bundles."""
+
+    role: str  # "rollout" | "learner" | "vllm_tp_worker"
+    index: int
+    group: str  # the RolePlan role of its placement group
+    bundle: int
+    num_cpus: float
+    num_gpus: float
+
+
+COLOCATED_GPU_SHARE = 0.5  # learner rank and vLLM worker each take half of their shared GPU bundle
+
+
+def actor_asks(rollout_cfg: Any, learner_cfg: Any) -> list[ActorAsk]:
+    """Every actor of the run with its resources and bundle, as `Placement` will start them."""
+    plans = role_plans(rollout_cfg, learner_cfg)
+    workers, ranks = int(rollout_cfg.num_workers), plans[-1].count
+    cpus_r, cpus_l = float(rollout_cfg.cpus_per_worker), float(learner_cfg.cpus)
+    if plans[0].role == "colocated":
+        stride, half = max(1, int(rollout_gpus(rollout_cfg))), COLOCATED_GPU_SHARE
+        asks = [ActorAsk("learner", k, "colocated", k, cpus_l, half) for k in range(ranks)]
+        for i in range(workers):
+            if stride == 1:  # the actor holds vLLM's one worker and half the GPU itself
+                asks.append(ActorAsk("rollout", i, "colocated", i, cpus_r, half))
+                continue
+            # TP > 1: the actor only drives vLLM's Ray workers, one in each of its TP bundles; its CPUs
+            # are the bundle's rollout share (each bundle holds cpus_per_worker / TP of them)
+            asks.append(ActorAsk("rollout", i, "colocated", i * stride, cpus_r / stride, 0.0))
+            asks += [ActorAsk("vllm_tp_worker", i * stride + k, "colocated", i * stride + k, 0.0, half)
+                     for k in range(stride)]
+        return asks
+    return ([ActorAsk("rollout", i, "rollout", i, cpus_r, plans[0].bundle.get("GPU", 0.0)) for i in range(workers)]
+            + [ActorAsk("learner", k, "learner", k, cpus_l, plans[1].bundle.get("GPU", 0.0)) for k in range(ranks)])
+
+
+def check_asks_fit(plans: list[RolePlan], asks: list[ActorAsk]) -> None:
+    """Each bundle holds what the actors placed in it ask (else Ray never schedules one of them and
+    the run waits forever: colocated TP > 1 did); every actor has a bundle. One line otherwise."""
+    by_role = {p.role: p for p in plans}
+    used: dict[tuple[str, int], dict[str, float]] = {}
+    for a in asks:
+        plan = by_role.get(a.group)
+        if plan is None or not 0 <= a.bundle < plan.count:
+            raise UserError(f"{a.role} {a.index} has no bundle in the {a.group} placement group: report this "
+                            "(launch/placement.py)")
+        slot = used.setdefault((a.group, a.bundle), {"CPU": 0.0, "GPU": 0.0})
+        slot["CPU"] += a.num_cpus
+        slot["GPU"] += a.num_gpus
+    for (group, bundle), need in sorted(used.items()):
+        have = by_role[group].bundle
+        for resource, amount in need.items():
+            if amount > have.get(resource, 0.0) + 1e-9:
+                who = ", ".join(f"{a.role} {a.index} {getattr(a, 'num_' + resource.lower() + 's'):g}"
+                                for a in asks if (a.group, a.bundle) == (group, bundle))
+                raise UserError(f"the actors placed in {group} bundle {bundle} ask {amount:g} {resource} ({who}) "
+                                f"and the bundle holds {have.get(resource, 0.0):g}: report this (launch/placement.py)")
+
+
 @dataclass
 class Placement:
     """The reserved groups and, per actor, the Ray options that put it in its bundle."""
@@ -107,6 +176,7 @@ class Placement:
     groups: dict[str, Any] = field(default_factory=dict)  # role → placement group
     colocated: bool = False
     rollout_stride: int = 1  # colocated: a tensor-parallel worker spans this many GPU bundles
+    asks: list = field(default_factory=list)  # every ActorAsk (actor_asks)
 
     def _strategy(self, role: str, index: int) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -115,12 +185,13 @@ class Placement:
             placement_group=self.groups[role], placement_group_bundle_index=index,
             placement_group_capture_child_tasks=True)}
 
+    def options(self, role: str, index: int) -> dict[str, Any]:
+        """The full Ray options of one actor (resources and bundle), from its `ActorAsk`."""
+        ask = next(a for a in self.asks if (a.role, a.index) == (role, index))
+        return {**self._strategy(ask.group, ask.bundle), "num_cpus": ask.num_cpus, "num_gpus": ask.num_gpus}
+
     def rollout_options(self, i: int) -> dict[str, Any]:
-        if self.colocated and self.rollout_stride > 1:  # TP > 1: vLLM's Ray workers take the GPUs (rollout_env)
-            return {**self._strategy("colocated", i * self.rollout_stride), "num_gpus": 0}
-        if self.colocated:  # half of the GPU bundle it shares with learner rank i
-            return {**self._strategy("colocated", i * self.rollout_stride), "num_gpus": 0.5}
-        return self._strategy("rollout", i)
+        return self.options("rollout", i)
 
     def rollout_env(self, i: int) -> dict[str, str]:
         """Colocated TP > 1 (GPU): rollout worker i spans the one-GPU bundles i·TP … i·TP + TP − 1, half
@@ -130,12 +201,10 @@ class Placement:
             return {}
         first = i * self.rollout_stride
         return {"VLLM_RAY_BUNDLE_INDICES": ",".join(str(first + k) for k in range(self.rollout_stride)),
-                "VLLM_RAY_PER_WORKER_GPUS": "0.5"}
+                "VLLM_RAY_PER_WORKER_GPUS": f"{COLOCATED_GPU_SHARE:g}"}
 
     def learner_options(self, rank: int) -> dict[str, Any]:
-        if self.colocated:
-            return {**self._strategy("colocated", rank), "num_gpus": 0.5}
-        return self._strategy("learner", rank)
+        return self.options("learner", rank)
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -158,9 +227,11 @@ def make_placement(rollout_cfg: Any, learner_cfg: Any, *, timeout_s: float = 60.
     for p in plans:
         if p.strategy not in STRATEGIES:
             raise UserError(f"{p.role}.placement_strategy='{p.strategy}': use one of {', '.join(STRATEGIES)}")
+    asks = actor_asks(rollout_cfg, learner_cfg)
+    check_asks_fit(plans, asks)
     check_fits(plans, ray.cluster_resources())
     placement = Placement(colocated=plans[0].role == "colocated",
-                          rollout_stride=max(1, int(rollout_gpus(rollout_cfg))))
+                          rollout_stride=max(1, int(rollout_gpus(rollout_cfg))), asks=asks)
     for p in plans:
         placement.groups[p.role] = placement_group([dict(p.bundle) for _ in range(p.count)], strategy=p.strategy,
                                                    name=f"stapoctl-{p.role}-{id(placement):x}")

@@ -29,6 +29,19 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parent.parent.parent)
 
 
+INTERFACE_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+
+def interface_env(cluster_cfg: Any = None) -> dict[str, str]:
+    """NCCL's and gloo's interface for every process of the run: `cluster.socket_ifname`, else what the
+    driver's environment exports (forwarded explicitly: an actor on another node, or a SLURM job,
+    does not inherit the driver's shell)."""
+    name = getattr(cluster_cfg, "socket_ifname", None) if cluster_cfg is not None else None
+    if name:
+        return {key: str(name) for key in INTERFACE_VARS}
+    return {key: os.environ[key] for key in INTERFACE_VARS if os.environ.get(key)}
+
+
 def actor_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """env_vars for an actor's runtime_env: the package on PYTHONPATH plus engine settings.
 
@@ -44,7 +57,9 @@ def actor_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["STAPOCTL_HOME"] = str(paths.home())
     # STAPOCTL_TEST_SYNC_DELAY_S: a test hook (seconds a rollout actor waits inside a weight update,
     # between vLLM's start and receive: tests/test_weight_transport.py makes a rollout race it)
-    for key in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS", "STAPOCTL_TEST_SYNC_DELAY_S"):
+    # STAPOCTL_TEST_CORRUPT_PUSH: a test hook (rollout/vllm_worker.py: one actor's loaded weights corrupted)
+    for key in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS", "STAPOCTL_TEST_SYNC_DELAY_S",
+                "STAPOCTL_TEST_CORRUPT_PUSH", *INTERFACE_VARS):
         if key in os.environ:
             env[key] = os.environ[key]
     from stapoctl.launch import mkl_shim
@@ -68,6 +83,7 @@ def ensure_ray(cluster_cfg: Any = None, *, log_to_driver: bool = False) -> bool:
     address = getattr(cluster_cfg, "address", None) if cluster_cfg is not None else None
     if cluster_cfg is not None:  # None (e.g. the model verifier joining the run's Ray) keeps the run's choice
         mkl_shim.configure(str(getattr(cluster_cfg, "mkl_amd_shim", None) or "auto"), remote=bool(address))
+        os.environ.update(interface_env(cluster_cfg))  # forwarded to every actor by actor_env
     if ray.is_initialized():
         return False
     num_cpus = getattr(cluster_cfg, "num_cpus", None) if cluster_cfg is not None else None
@@ -88,7 +104,7 @@ def ensure_ray(cluster_cfg: Any = None, *, log_to_driver: bool = False) -> bool:
         }
     else:
         kwargs["address"] = "local"
-        kwargs["num_cpus"] = int(num_cpus or os.cpu_count() or 1)
+        kwargs["num_cpus"] = int(num_cpus or len(os.sched_getaffinity(0)) or 1)
         if num_gpus is not None:
             kwargs["num_gpus"] = int(num_gpus)
         kwargs["runtime_env"] = {"env_vars": actor_env()}
@@ -178,6 +194,19 @@ def runtime_context():
     import ray
 
     return ray.get_runtime_context() if ray.is_initialized() else None
+
+
+def node_address(node_id: str) -> str:
+    """A Ray node's IP address (what a person can ssh to), or its id where Ray does not say."""
+    try:
+        import ray
+
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id:
+                return str(node.get("NodeManagerAddress") or node_id[:12])
+    except Exception:
+        pass
+    return node_id[:12]
 
 
 def in_ray_actor() -> bool:

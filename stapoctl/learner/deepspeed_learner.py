@@ -62,11 +62,13 @@ def make_learner_group(
     reference_path: Optional[str] = None,
     placement: Any = None,
     wait: bool = True,
+    start_timeout_s: float = 600.0,
 ) -> tuple[list, Any]:
     """Start learner.num_ranks actors, wire their rendezvous, start DeepSpeed on each.
 
     Returns (handles, setup refs); with wait=False the caller overlaps the DeepSpeed start-up
-    with other work (vLLM's) and waits on the refs itself.
+    with other work (vLLM's) and waits on the refs itself. The rendezvous address is waited for at
+    most `start_timeout_s`.
     """
     import ray
 
@@ -83,7 +85,16 @@ def make_learner_group(
         if placement is not None:
             opts.update(placement.learner_options(rank))
         handles.append(actor_cls.options(**opts).remote(rank, world))
-    addr, port = ray.get(handles[0].rendezvous.remote())
+    try:  # bounded: a rank Ray cannot schedule would otherwise hold the run (and `doctor`) forever
+        addr, port = ray.get(handles[0].rendezvous.remote(), timeout=start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        from stapoctl.errors import EngineFault
+
+        for h in handles:
+            ray.kill(h)
+        raise EngineFault(f"learner rank 0 did not start within {start_timeout_s:.0f} s (Ray did not schedule it: "
+                          f"asked {opts.get('num_cpus', 0):g} CPU, {opts.get('num_gpus', 0):g} GPU): see `ray status` "
+                          "for what holds the resources") from None
     refs = [
         h.setup.remote(model_path, learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
                        dtype=dtype, seed=seed, max_response_length=max_response_length,

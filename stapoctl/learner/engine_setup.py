@@ -8,6 +8,7 @@ training collectives go through torch.distributed (gloo) either way.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import socket
@@ -18,9 +19,12 @@ from typing import Any, Optional
 from stapoctl.errors import UserError
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host`, the address the rendezvous listens at (one free on loopback may be
+    taken on the node's own address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -31,6 +35,14 @@ def node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:
         return "127.0.0.1"
+
+
+def process_group_timeout_s(learner: dict) -> float:
+    """The learner ranks' process-group timeout (NCCL's watchdog, gloo's collectives): the driver's
+    resolved `learner.process_group_timeout_s` (twice the weight-sync timeout by default), never
+    DeepSpeed's 10 minutes, which a push queued behind long async rollouts outlasts while ranks > 0
+    sit in a collective (TRL hit it: trl#7103)."""
+    return float(learner.get("process_group_timeout_s") or 3600.0)
 
 
 def uses_cuda(learner: dict) -> bool:
@@ -108,7 +120,7 @@ def host_info(shim: bool) -> dict:
 
     mkl = {"code_path": mkl_shim.mkl_code_path(), "amd_shim": shim}
     ctx = runtime_context()  # None: constructed outside Ray (tests, benchmarks)
-    return {"mkl": mkl, "node_id": ctx.get_node_id() if ctx is not None else ""}
+    return {"mkl": mkl, "node_id": ctx.get_node_id() if ctx is not None else "", "pid": os.getpid()}
 
 
 class EngineSetup:
@@ -119,9 +131,21 @@ class EngineSetup:
     rank: int
     world_size: int
 
+    def pg_timeout_s(self) -> float:
+        """The shortest timeout of this rank's collectives, as torch reads them: its default group's
+        (the CPU backend's: gloo here) and what a group created later without one gets (DeepSpeed's)."""
+        import torch
+        import torch.distributed as dist
+
+        c10d = dist.distributed_c10d
+        backend = c10d._get_default_group()._get_backend(torch.device("cpu"))
+        later = [c10d._get_default_timeout(b) for b in (dist.Backend.GLOO, dist.Backend.NCCL)]
+        return float(min([backend.options._timeout, *later]).total_seconds())
+
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port on its node (torch.distributed's MASTER_*)."""
-        return node_ip(), free_port()
+        host = node_ip()
+        return host, free_port(host)
 
     def setup(
         self,
@@ -165,7 +189,7 @@ class EngineSetup:
             LOCAL_RANK="0" if not use_cuda else os.environ.get("LOCAL_RANK", "0"),
             WORLD_SIZE=str(self.world_size),
             MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port or free_port()),
+            MASTER_PORT=str(master_port or free_port(master_addr)),
         )
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
         with paused_gc("deepspeed.comm"):
@@ -175,7 +199,13 @@ class EngineSetup:
         if not use_cuda:
             # `deepspeed.comm.torch` as an attribute is torch itself; patch the submodule.
             sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
+        timeout = datetime.timedelta(seconds=process_group_timeout_s(learner))
+        # DeepSpeed creates groups of its own without a timeout (its world-group clone, the gradient
+        # reduce groups: deepspeed/utils/groups.py), which take torch's default — 10 min for NCCL
+        import torch.distributed.distributed_c10d as c10d
+
+        c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", timeout=timeout)
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         self.use_cuda = use_cuda
 

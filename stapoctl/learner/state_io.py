@@ -8,20 +8,11 @@ rank 0 keeps the result. The driver therefore calls these methods on every rank.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from typing import Any, Sequence
 
 
 class StateIO:
     """Mixin of the learner actor; needs the attributes `EngineSetup.reset` sets."""
-
-    def _gathered(self, modifier_rank=None):
-        """Full parameters inside the block under ZeRO-3; changes persist only from `modifier_rank`."""
-        if self.zero_stage != 3:
-            return nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=modifier_rank)
 
     def weights(self) -> list:
         """(name, raw bytes, dtype, shape) of the full model for the rollout workers (rank 0's).
@@ -42,9 +33,15 @@ class StateIO:
         return out
 
     def full_state_dict(self) -> dict:
-        """name → full CPU tensor (gathered under ZeRO-3), tied weights under both names."""
-        with self._gathered():
-            return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        """name → full CPU tensor, tied weights under both names (None on ranks > 0 under ZeRO-3).
+
+        Under ZeRO-3, DeepSpeed's own consolidation (what Accelerate and transformers' Trainer save
+        with): one module's parameters gathered at a time onto rank 0's CPU, never the whole model on
+        a GPU (which is out of memory from ~14B on 4 ranks). A collective: every rank calls it."""
+        if self.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+            return dict(state) if state is not None else None
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     def init_weight_transfer(self, method: str, rollout_handles: Sequence[Any], tp_size: int = 1,
                              timeout_s: float = 1800.0) -> None:
@@ -53,9 +50,10 @@ class StateIO:
         from stapoctl.learner.engine_setup import free_port, node_ip
         from stapoctl.sync.trainer_engines import TrainerLink, build_trainer_engine
 
+        host = node_ip()  # the port is free where the link's store listens, not only on loopback
         self.transfer = build_trainer_engine(method, TrainerLink(
             module_of=lambda: self.module, zero_stage=int(self.zero_stage), rollout_handles=rollout_handles,
-            rank=self.rank, master_address=node_ip(), master_port=free_port(), tp_size=int(tp_size),
+            rank=self.rank, master_address=host, master_port=free_port(host), tp_size=int(tp_size),
             timeout_s=float(timeout_s)))
 
     def transfer_update_info(self) -> dict:
@@ -69,14 +67,19 @@ class StateIO:
         self.transfer.send_weights()
         return time.perf_counter() - t0
 
-    def perturb_weights(self, scale: float, seed: int = 0) -> None:
-        """Add seeded noise to every weight (tests: make the learner differ from vLLM)."""
+    def perturb_weights(self, scale: float, seed: int = 0, relative: bool = False) -> None:
+        """Add seeded noise to every weight (tests, doctor: make the learner differ from vLLM); with
+        `relative`, `scale` × each tensor's own std (a model keeps its structure at any size)."""
         import torch
 
+        from stapoctl.sync.source import gathered_one
+
         g = torch.Generator().manual_seed(seed)
-        with torch.no_grad(), self._gathered(modifier_rank=0):
-            for p in self.module.parameters():
-                p.add_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p) * scale)
+        with torch.no_grad():
+            for p in self.module.parameters():  # ZeRO-3: one parameter gathered at a time, rank 0's change kept
+                with gathered_one(p, self.zero_stage, modifier_rank=0):
+                    noise = torch.randn(tuple(p.shape), generator=g, dtype=torch.float32).to(p) * scale
+                    p.add_(noise * p.float().std().to(p) if relative and p.numel() > 1 else noise)
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, step_dir: str, tokenizer_dir: str) -> dict:
@@ -113,9 +116,7 @@ class StateIO:
         self.engine.save_checkpoint(str(out / "state"), tag="ds",
                                     client_state={"optimizer_steps": self.optimizer_steps,
                                                   "torch_rng": torch.get_rng_state()})
-        with self._gathered():  # every rank joins the gather; rank 0 writes
-            state = ({k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-                     if self.rank == 0 else None)
+        state = self.full_state_dict() if self.zero_stage == 3 or self.rank == 0 else None  # ZeRO-3: every rank joins
         if self.rank == 0:
             self.module.save_pretrained(str(out / "model"), state_dict=state, safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(str(out / "model"))

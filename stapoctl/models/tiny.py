@@ -343,7 +343,7 @@ def ensure_base_model(model_cfg, data_cfg, console=None) -> Path:
     from rich.console import Console
 
     console = console or Console(stderr=True)
-    console.print(f"building the embedded tiny model into {final} (once; cached afterwards)")
+    console.print(f"building the embedded tiny model into {final} (once; cached afterwards)", markup=False)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:

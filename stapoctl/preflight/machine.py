@@ -1,4 +1,5 @@
-"""GPUs asked for on a machine without one, and a local placement that can never fit."""
+"""GPUs asked for on a machine without one, more vLLM-CPU tensor-parallel ranks than cores, and a
+local placement that can never fit."""
 
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ def check_machine(conf: DictConfig, *, learner: bool = True) -> None:
             f"{asked[0][0]}={fmt_value(asked[0][1])} asks for GPUs, but this machine has none (torch.cuda."
             f"is_available() is False): set {names} to run on CPU, or run where GPUs are (cluster=slurm)"
         )
+    # vLLM runs on CUDA when its worker (or the learner beside it) has GPUs; the judge's do not count
+    check_cpu_tensor_parallel(conf, on_gpu=any(k != "reward.model_verifier_gpus" for k, _ in asked))
     from stapoctl.launch.placement import check_fits, role_plans
 
-    cpus = float(c.num_cpus or os.cpu_count() or 1)
+    cpus = float(c.num_cpus or len(os.sched_getaffinity(0)) or 1)
     have = {"CPU": cpus, "GPU": float(c.num_gpus if c.num_gpus is not None else gpus)}
     plans = [p for p in role_plans(conf.rollout, conf.learner) if learner or p.role == "rollout"]
     check_fits(plans, have, where="this machine")
@@ -50,6 +53,20 @@ def check_machine(conf: DictConfig, *, learner: bool = True) -> None:
                 f"{fmt_value(conf.reward.model_verifier_cpus)}) and this machine has {cpus:g}: lower "
                 "reward.model_verifier_cpus (e.g. 0.5) or set cluster.num_cpus"
             )
+
+
+def check_cpu_tensor_parallel(conf: DictConfig, *, on_gpu: bool) -> None:
+    """vLLM-CPU binds each tensor-parallel rank to cores of its own (`rollout.vllm_worker.
+    cpu_thread_binding`): with more ranks than this machine's cores the first actor would fail
+    after the MLflow run exists, so refuse it here. `VLLM_CPU_OMP_THREADS_BIND` set wins there too."""
+    tp = int(conf.rollout.tensor_parallel_size or 1)
+    cores = len(os.sched_getaffinity(0))
+    if on_gpu or tp <= cores or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return
+    raise UserError(
+        f"rollout.tensor_parallel_size={tp} needs a CPU core per tensor-parallel rank and this machine has "
+        f"{cores}: lower rollout.tensor_parallel_size to {cores} or less, or run on GPUs or a cluster"
+    )
 
 
 def local_gpus() -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from stapoctl.config.shapes import decoder_params
+from stapoctl.preflight.model_shape import parameter_count
 
 GIB = 2**30
 # CUDA context, cuBLAS/NCCL workspaces and the caching allocator's slack of one process (typical
@@ -96,11 +96,13 @@ def activation_elems_per_token_layer(shape: dict) -> int:
 
 def learner_memory(shape: dict, *, zero_stage: int, num_ranks: int, dtype: str, micro_tokens: int,
                    gradient_checkpointing: bool, logits_chunk: int, offload_optimizer: bool = False,
-                   on_gpu: bool = True, entropy_grad: bool = False, seq_len: Optional[int] = None) -> dict[str, float]:
+                   on_gpu: bool = True, entropy_grad: bool = False, seq_len: Optional[int] = None,
+                   logit_tokens: Optional[int] = None) -> dict[str, float]:
     """GiB on one learner rank, by part, with "total" (the parts that count) and the activations
     of the other checkpointing choice as "activations_if_checkpointing_flipped". `seq_len` (tokens
-    per sequence) sizes the attention scores a CPU learner keeps (below)."""
-    params = decoder_params(shape)
+    per sequence) sizes the attention scores a CPU learner keeps (below); `logit_tokens` the
+    positions a ZeRO-3 forward computes logits for (default: all of micro_tokens)."""
+    params = parameter_count(shape)
     d = dtype_bytes(dtype)
     bf16 = d == 2
     if bf16:
@@ -116,10 +118,10 @@ def learner_memory(shape: dict, *, zero_stage: int, num_ranks: int, dtype: str, 
     chunk = min(int(logits_chunk), micro_tokens)
     # token_stats from the hidden states: a [chunk, V] logits slice in the weight's dtype and two
     # fp32 [chunk, V] buffers (+1 for an entropy gradient); ZeRO-3 goes through the module's
-    # logits instead: [tokens, V] in the weight's dtype, and its gradient
+    # logits instead: [tokens, V] of the positions it keeps in the weight's dtype, and its gradient
     logits = chunk * vocab * (d + 4 * (3 if entropy_grad else 2)) + micro_tokens * h * (d + 4)
     if zero_stage == 3:
-        logits += 2 * micro_tokens * vocab * d
+        logits += 2 * (micro_tokens if logit_tokens is None else logit_tokens) * vocab * d
     parts = {
         "model_states": states / GIB,
         "activations": (ckpt if gradient_checkpointing else full) / GIB,
@@ -138,7 +140,7 @@ def learner_memory(shape: dict, *, zero_stage: int, num_ranks: int, dtype: str, 
     return parts
 
 
-NOT_IN_TOTAL = ("activations_if_checkpointing_flipped", "weight_push_gather")
+NOT_IN_TOTAL = ("activations_if_checkpointing_flipped", "weight_push_gather", "weight_push_buffer")
 
 
 def cpu_attention_scores(shape: dict, micro_tokens: int, seq_len: int, d: int, checkpointing: bool) -> float:
@@ -168,7 +170,7 @@ def deepspeed_buffers(stage: int, d: int, params: int, ranks: int) -> float:
 
 def reference_gib(shape: dict, dtype: str) -> float:
     """The frozen reference policy of the KL term: its weights only (learner/reference.py)."""
-    return decoder_params(shape) * dtype_bytes(dtype) / GIB
+    return parameter_count(shape) * dtype_bytes(dtype) / GIB
 
 
 def kv_bytes_per_token(shape: dict, dtype: str, tp: int = 1) -> float:
@@ -185,7 +187,7 @@ def rollout_memory(shape: dict, *, dtype: str, tp: int, device_gib: Optional[flo
     and as sequences of max_model_len. On a GPU vLLM takes utilization x memory and gives the KV
     cache what is left after the weights, the profile run's peak and the CUDA graphs."""
     d = dtype_bytes(dtype)
-    weights = decoder_params(shape) * d / max(1, tp) / GIB
+    weights = parameter_count(shape) * d / max(1, tp) / GIB
     if device_gib is None:  # CPU: the KV cache is rollout.kv_cache_gb
         parts = {"weights": weights, "kv_cache": float(kv_cache_gb), "runtime": RUNTIME_GIB["cpu"]}
         parts["total"] = sum(parts.values())

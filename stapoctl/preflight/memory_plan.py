@@ -13,10 +13,10 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from stapoctl.config.engines import rollout_eager, rollout_utilization
-from stapoctl.config.shapes import decoder_params, max_model_len
-from stapoctl.errors import UserError
+from stapoctl.config.shapes import max_model_len
+from stapoctl.errors import UserError, labelled
 from stapoctl.preflight import memory as M
-from stapoctl.preflight.model_shape import model_shape
+from stapoctl.preflight.model_shape import ArchitectureUnknown, model_shape, parameter_count
 
 
 class PlanRefused(UserError):
@@ -108,8 +108,13 @@ def build_plan(conf: DictConfig, *, here: bool = True) -> Plan:
     if shape is None:
         raise ShapeUnknown(f"plan: cannot size model.path={conf.model.path}: its config.json is not here ({source}); "
                         "download the model (or only its config.json) or give a local model dir")
+    try:
+        params = parameter_count(shape)
+    except ArchitectureUnknown as exc:
+        raise ShapeUnknown(f"plan: cannot size model.path={conf.model.path}: {exc}; give a model whose "
+                           "config.json names a model_type this transformers knows") from None
     device_gib, device_source = _device_memory(conf)
-    plan = Plan(model=str(conf.model.path or "tiny"), shape_source=source, params=decoder_params(shape),
+    plan = Plan(model=str(conf.model.path or "tiny"), shape_source=source, params=params,
                 device_gib=device_gib, device_source=device_source, host_gib=host_memory_gib())
     learner = _learner(conf, shape)
     plan.roles.append(learner)
@@ -132,14 +137,40 @@ def build_plan(conf: DictConfig, *, here: bool = True) -> Plan:
 def _learner(conf: DictConfig, shape: dict) -> RoleMemory:
     lr = conf.learner
     on_gpu = float(lr.gpus_per_rank or 0) > 0
+    micro, response = _micro_tokens(conf), int(conf.rollout.max_response_length)
+    # a ZeRO-3 forward keeps the logits of each row's response + 1 positions (learner/forward.py)
+    kept = micro * (response + 1) // (int(conf.data.max_prompt_length) + response)
     parts = M.learner_memory(shape, zero_stage=int(lr.zero_stage), num_ranks=int(lr.num_ranks),
-                             dtype=conf.model.dtype, micro_tokens=_micro_tokens(conf),
+                             dtype=conf.model.dtype, micro_tokens=micro, logit_tokens=min(micro, kept),
                              gradient_checkpointing=bool(lr.gradient_checkpointing),
                              logits_chunk=int(lr.logits_chunk_size), offload_optimizer=bool(lr.offload_optimizer),
                              on_gpu=on_gpu, entropy_grad=float(conf.loss.get("entropy_coef") or 0) != 0,
                              seq_len=int(conf.data.max_prompt_length) + int(conf.rollout.max_response_length))
     total = parts.pop("total")
+    if on_gpu and _transport(conf) == "ipc":
+        total = _ipc_push(parts, shape, conf.model.dtype, total)
     return RoleMemory("learner", "GPU" if on_gpu else "CPU", total, parts, int(lr.num_ranks))
+
+
+def _transport(conf: DictConfig) -> str:
+    from stapoctl.sync.transports import choose_method
+
+    on_gpu = float(conf.rollout.gpus_per_worker or 0) > 0 or float(conf.learner.gpus_per_rank or 0) > 0
+    try:
+        return choose_method(str(conf.rollout.weight_sync), on_gpu=on_gpu, placement=str(conf.learner.placement))
+    except Exception:  # refused elsewhere (validate), with its own line
+        return ""
+
+
+def _ipc_push(parts: dict, shape: dict, dtype: str, total: float) -> float:
+    """CUDA IPC's push holds vLLM's packed buffer (1 GiB, or the largest tensor: sync/trainer_engines.py)
+    besides the gathered parameter, between steps when no activation is held: the rank's peak is the
+    larger of the step's and the push's."""
+    largest = M._largest_layer(shape) * M.dtype_bytes(dtype)
+    parts["weight_push_buffer"] = max(float(2**30), float(largest)) / M.GIB
+    push = sum(parts.get(k, 0.0) for k in ("model_states", "deepspeed_buffers", "runtime", "weight_push_gather",
+                                           "weight_push_buffer"))
+    return max(total, push)
 
 
 def _rollout(conf: DictConfig, shape: dict, device_gib: Optional[float]) -> RoleMemory:
@@ -168,7 +199,7 @@ def checkpoint_bytes_per_param(dtype: str, zero_stage: int) -> int:
 def disk_plan(conf: DictConfig, shape: dict) -> DiskPlan:
     from stapoctl.preflight.run_dir import output_root
 
-    params = decoder_params(shape)
+    params = parameter_count(shape)
     stage, ranks = int(conf.learner.zero_stage), int(conf.learner.num_ranks)
     per_ckpt = params * checkpoint_bytes_per_param(conf.model.dtype, stage) / M.GIB
     optimizer = params * (checkpoint_bytes_per_param(conf.model.dtype, stage) - 2 * M.dtype_bytes(conf.model.dtype))
@@ -280,7 +311,9 @@ def enforce_plan(conf: DictConfig, *, here: bool = True, console=None) -> Option
         plan = build_plan(conf, here=here)
     except ShapeUnknown as exc:  # a hub model to download, or sized where the job runs
         if console is not None:
-            console.print(f"[dim]{exc} — memory not checked[/]", highlight=False)
+            from rich.markup import escape
+
+            console.print(f"[dim]{escape(str(exc))} — memory not checked[/]", highlight=False)
         return None
     if plan.fits:
         return plan
@@ -289,5 +322,5 @@ def enforce_plan(conf: DictConfig, *, here: bool = True, console=None) -> Option
     if bool(conf.get("plan", {}).get("enforce", True)):
         raise PlanRefused(message + "; plan.enforce=false runs it anyway")
     if console is not None:
-        console.print(f"[yellow]warning:[/] {message} (plan.enforce=false: going on)", highlight=False)
+        console.print(labelled("warning:", f"{message} (plan.enforce=false: going on)", "yellow"), highlight=False)
     return plan

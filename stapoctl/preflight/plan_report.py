@@ -6,9 +6,11 @@ import json
 
 from omegaconf import DictConfig
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from stapoctl.config.engines import rollout_utilization
+from stapoctl.errors import labelled
 from stapoctl.preflight.memory import NOT_IN_TOTAL
 from stapoctl.preflight.memory_plan import Plan, PlanRefused, build_plan
 
@@ -67,8 +69,8 @@ def _what(conf: DictConfig, role) -> str:
 def plan_table(conf: DictConfig, plan: Plan) -> Table:
     dev = (f"one GPU = {plan.device_gib:,.1f} GiB ({plan.device_source})" if plan.device_gib is not None
            else f"CPU run: this machine has {plan.host_gib:,.1f} GiB")
-    table = Table(title=f"Memory plan · {plan.model} · {_count(plan.params)} parameters\n{dev}",
-                  caption=f"shape from {plan.shape_source}\nestimates: docs/TRAINING.md 'Memory plan'")
+    table = Table(title=escape(f"Memory plan · {plan.model} · {_count(plan.params)} parameters\n{dev}"),  # paths
+                  caption=escape(f"shape from {plan.shape_source}\nestimates: docs/TRAINING.md 'Memory plan'"))
     table.add_column("role")
     table.add_column("part")
     table.add_column("per device", justify="right")
@@ -79,6 +81,9 @@ def plan_table(conf: DictConfig, plan: Plan) -> Table:
             if k == "weight_push_gather" and v > 0:  # between steps: beside the total, not in it
                 table.add_row(ROLE_NAMES[role.role], "weight push: one gathered parameter (between steps, "
                               "not in the total)", _gib(v))
+            elif k == "weight_push_buffer":  # CUDA IPC's packed buffer: the total is the larger peak
+                table.add_row(ROLE_NAMES[role.role], "weight push: CUDA IPC packed buffer (between steps; the "
+                              "total is the larger of the step's and the push's peak)", _gib(v))
             elif k not in NOT_IN_TOTAL:
                 table.add_row(ROLE_NAMES[role.role], PART_NAMES.get(k, k), _gib(v))
         where = f"{role.count} × {role.device}" if role.device == "GPU" else f"{role.count} process(es)"
@@ -99,10 +104,11 @@ def print_memory_plan(conf: DictConfig, console: Console, *, here: bool, plan: P
     console.print(plan_table(conf, plan))
     for role in plan.roles:
         if role.role in ("learner", "rollout", "reference"):
-            console.print(f"  {ROLE_NAMES[role.role].strip()}: {_what(conf, role)}", highlight=False)
-    console.print(disk_line(plan) + ("" if here else " (checked again where the job runs)"), highlight=False)
+            console.print(f"  {ROLE_NAMES[role.role].strip()}: {_what(conf, role)}", highlight=False, markup=False)
+    console.print(disk_line(plan) + ("" if here else " (checked again where the job runs)"), highlight=False,
+                  markup=False)
     for problem in plan.problems:
-        console.print(f"[bold red]does not fit:[/] {problem}", highlight=False, soft_wrap=True)
+        console.print(labelled("does not fit:", problem), highlight=False, soft_wrap=True)
     if plan.fits:
         console.print("[green]plan fits[/]")
     return plan

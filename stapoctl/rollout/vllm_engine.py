@@ -124,8 +124,9 @@ def engine_kwargs(spec: EngineSpec, on_gpu: bool) -> dict[str, Any]:
     if on_gpu:
         if spec.colocated and spec.kv_cache_bytes > 0:
             kwargs["kv_cache_memory_bytes"] = int(spec.kv_cache_bytes)  # the plan's, not a share of free memory
-        else:
-            kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
+        # colocated too: vLLM still checks at start that this share of the GPU is free (0.5 there, not
+        # its default 0.9, which a GPU shared with a learner rank never has)
+        kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
     else:
         # sized by the run, not vLLM-CPU's integer-GiB VLLM_CPU_KVCACHE_SPACE (which, when set in
         # the environment, still wins): a tiny model's rollout needs a few MiB, and 1 GiB took

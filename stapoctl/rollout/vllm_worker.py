@@ -191,6 +191,22 @@ class RolloutWorker:
         self.llm.reset_prefix_cache()
         self.weight_version += 1
         self.needs_weights = False
+        if os.environ.get("STAPOCTL_TEST_CORRUPT_PUSH"):
+            self._test_corruption(os.environ["STAPOCTL_TEST_CORRUPT_PUSH"])
+
+    def _test_corruption(self, path: str) -> None:
+        """Test hook (tests/test_weight_sync_faults.py): once `PATH.arm` exists, the first actor to
+        load a push claims PATH (its pid written there) and adds noise of 1e-2 × the std of the
+        embedding (tied with the head: every token passes through it) to what it just loaded."""
+        if not os.path.exists(path + ".arm"):
+            return
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        self.llm.collective_rpc("stapo_test_perturb_embedding", args=(1e-2,))
 
     def transfer_ranks(self) -> list[int]:
         """Each of this engine's worker processes' rank in the linked transport's group."""
@@ -315,17 +331,19 @@ def make_rollout_worker(
     synced: bool = False,
     max_restarts: int = 0,
     env_extra: Optional[dict[str, str]] = None,
+    on_gpu: Optional[bool] = None,
 ):
     """Start a RolloutWorker actor with these resources; returns its handle (engine still loading).
 
     `options`: extra Ray actor options, e.g. the placement-group scheduling strategy of its bundle.
     `synced` / `max_restarts`: a training actor, restarted by Ray up to max_restarts times
-    (-1: always) after its process dies. Calls are not retried by Ray (`max_task_retries=0`):
+    (-1: always) after its process dies. `on_gpu`: whether vLLM runs on GPUs (default: the actor
+    asks for some; a colocated TP > 1 actor asks none itself, its vLLM Ray workers do). Calls are not retried by Ray (`max_task_retries=0`):
     the driver re-sends them once the actor has the current weights again.
     """
     import ray
 
-    env = rollout_env(engine_spec, on_gpu=float(num_gpus or 0) > 0)
+    env = rollout_env(engine_spec, on_gpu=float(num_gpus or 0) > 0 if on_gpu is None else bool(on_gpu))
     env.update(env_extra or {})
     opts: dict[str, Any] = dict(
         num_cpus=num_cpus,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from stapoctl.analysis.confirm import MAX_SEEDS, Sizing, fresh_seeds, size
@@ -153,8 +154,8 @@ def sizing_table(conf: Confirmation) -> Table:
         t.add_column(h, justify="left" if h == "row" else "right")
     for r in sz.rows:
         num = lambda x, f=".2f": "—" if x is None else format(x * sz.scale, f)  # noqa: E731
-        t.add_row(r.group, str(r.n_pilot), num(r.diff, "+.2f"), num(r.sd), num(r.delta),
-                  str(r.needed) if r.needed is not None else r.why)
+        t.add_row(escape(r.group), str(r.n_pilot), num(r.diff, "+.2f"), num(r.sd), num(r.delta),
+                  str(r.needed) if r.needed is not None else escape(r.why))
     return t
 
 
@@ -167,6 +168,6 @@ def record(sweep_id: str, uri: Optional[str], conf: Confirmation) -> None:
 
 def print_sizing(conf: Confirmation, console: Console) -> None:
     heading, how = sizing_lines(conf)
-    console.print(f"[bold]{heading}[/]", highlight=False, soft_wrap=True)
+    console.print(f"[bold]{escape(heading)}[/]", highlight=False, soft_wrap=True)
     console.print(sizing_table(conf))
-    console.print(how, highlight=False, soft_wrap=True)
+    console.print(how, highlight=False, markup=False, soft_wrap=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from stapoctl.sweep import store
@@ -48,8 +49,8 @@ def alarm_outcome(trial: Trial, run, wall: Optional[float], engines: str = "") -
 
 
 def alarm_line(head: str, out: Outcome, names: list[str]) -> str:
-    return (f"[bold yellow]■[/] {head} stopped by the alarm {', '.join(names)}: last val {pct(out.val)}, "
-            f"counted as its result · run {out.run_id}")
+    return (f"[bold yellow]■[/] {escape(head)} stopped by the alarm {escape(', '.join(names))}: last val "
+            f"{pct(out.val)}, counted as its result · run {out.run_id}")  # run names: text, never markup
 
 
 def resume_point(record: store.TrialRecord) -> Optional[str]:
@@ -105,7 +106,7 @@ def finish(definition: SweepDefinition, sweep_id: str, trials: list[Trial], outc
     store.client(uri).log_batch(sweep_id, metrics=metrics)
     store.end_parent(sweep_id, uri, "FINISHED" if failed == 0 else "FAILED",
                      None if failed == 0 else f"{failed} of {len(trials)} trials failed")
-    table = Table(title=f"sweep {definition.name} ({sweep_id})")
+    table = Table(title=escape(f"sweep {definition.name} ({sweep_id})"))
     for col in ("trial", "run name", "status", "final val", "wall s", "overhead s", "run id", "engines"):
         table.add_column(col, justify="right" if col in ("trial", "final val", "wall s", "overhead s") else "left",
                          overflow="fold", min_width=8 if col == "run name" else None)
@@ -115,19 +116,20 @@ def finish(definition: SweepDefinition, sweep_id: str, trials: list[Trial], outc
         out = outcomes.get(trial.index) or Outcome(
             trial, earlier if rec.finished else (rec.run.info.status if rec.run else "-"),
             rec.run.info.run_id if rec.run else "", engines="earlier run")
-        table.add_row(*out.row())
+        table.add_row(*(escape(cell) for cell in out.row()))
     console.print(table)
     if reused:
         console.print(f"per-trial overhead with reused engines: mean {sum(reused) / len(reused):.1f} s "
                       "(trial wall time minus its steps and validations)")
     if failed:
         console.print(f"[bold red]{failed} of {len(trials)} trials did not finish[/]; rerun them with "
-                      f"`stapoctl sweep {definition.name} resume={sweep_id[:8]}`")
+                      f"`stapoctl sweep {escape(definition.name)} resume={sweep_id[:8]}`")
         return 1
     if alarmed:
         console.print(f"[yellow]{alarmed} of {len(trials)} trials were stopped by a run-health alarm[/]: each counts "
                       "at its last validation (`stapoctl compare` marks them)")
-    console.print(f"[bold green]sweep {definition.name} finished[/]: {len(trials)} trials under MLflow run {sweep_id}")
+    console.print(f"[bold green]sweep {escape(definition.name)} finished[/]: {len(trials)} trials under MLflow run "
+                  f"{sweep_id}")
     return 0
 
 

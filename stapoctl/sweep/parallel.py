@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from rich.console import Console
+from rich.markup import escape
 
 from stapoctl.errors import UserError
 from stapoctl.sweep import layout, store
@@ -100,7 +101,7 @@ class Pool:
         handle = self.running[trial.index].handle
         s.console.print(f"▶ trial {trial.index + 1}/{len(s.trials)} {trial.run_name} started"
                         + (f" from its checkpoint {resume}" if resume else "")
-                        + f" · {self.launcher.where(handle)}", highlight=False)
+                        + f" · {self.launcher.where(handle)}", highlight=False, markup=False)
 
     def poll(self, stopping: Optional[str] = None) -> None:
         for index, r in list(self.running.items()):
@@ -149,13 +150,14 @@ class Pool:
         self.outcomes[trial.index] = out
         head = f"trial {trial.index + 1}/{len(s.trials)} {trial.run_name}"
         if out.status == "FINISHED":
-            s.console.print(f"[bold green]✓[/] {head}: final val {pct(out.val)} · {out.wall_s:.1f} s · run {out.run_id}",
+            s.console.print(f"[bold green]✓[/] {escape(head)}: final val {pct(out.val)} · {out.wall_s:.1f} s · "
+                            f"run {out.run_id}",
                             highlight=False)
         elif out.status == ALARM_STATUS:
             names = store.alarm_stopped(store.client(s.uri).get_run(out.run_id))
             s.console.print(alarm_line(head, out, names), highlight=False)
         else:
-            s.console.print(f"[bold red]✗ {head} {out.status}[/]: {error}", highlight=False)
+            s.console.print(f"[bold red]✗ {escape(head)} {out.status}[/]: {escape(str(error))}", highlight=False)
 
     # -- stopping ---------------------------------------------------------------------------------
     def stop_all(self, signum: int, reason: str) -> None:
@@ -195,7 +197,7 @@ class Pool:
                     store.end_child(run.info.run_id, s.uri, "KILLED", reason)
             store.end_parent(s.sweep_id, s.uri, "KILLED", reason)
         s.console.print(f"[yellow]sweep {s.sweep_id} {reason}: runs ended KILLED; continue with "
-                        f"`stapoctl sweep {s.definition.name} resume={s.sweep_id[:8]}`[/]")
+                        f"`stapoctl sweep {escape(s.definition.name)} resume={s.sweep_id[:8]}`[/]")
         return 143 if received else 130
 
 

@@ -9,6 +9,7 @@ from typing import Optional
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
@@ -32,7 +33,7 @@ class SweepView:
             TimeElapsedColumn(),
             console=console,
         )
-        self.task = self.progress.add_task(f"sweep {name}", total=total, completed=done, info="")
+        self.task = self.progress.add_task(escape(f"sweep {name}"), total=total, completed=done, info="")
         self.live = Live(self.progress, console=console, refresh_per_second=2, transient=False)
 
     def __enter__(self) -> "SweepView":
@@ -52,12 +53,13 @@ class SweepView:
     def start(self, index: int, label: str, remaining: int) -> None:
         """`remaining`: trials still to run, this one included."""
         self.started = time.perf_counter()
-        info = f"trial {index + 1}/{self.total} · [bold]{label}[/] · {self.eta(remaining)}"
+        info = f"trial {index + 1}/{self.total} · [bold]{escape(label)}[/] · {self.eta(remaining)}"  # a run name
         self.progress.update(self.task, info=info)
-        self.console.rule(f"[bold magenta]trial {index + 1}/{self.total}[/] · {label}", style="magenta")
+        self.console.rule(f"[bold magenta]trial {index + 1}/{self.total}[/] · {escape(label)}", style="magenta")
 
     def finish(self, line: str) -> float:
-        """The trial ended (any status): one summary line; returns its duration."""
+        """The trial ended (any status): one summary line (markup: its run names and errors escaped by
+        the caller); returns its duration."""
         seconds = time.perf_counter() - (self.started or time.perf_counter())
         self.durations.append(seconds)
         self.progress.advance(self.task)

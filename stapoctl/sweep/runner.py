@@ -19,8 +19,10 @@ import time
 from typing import Any, Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from stapoctl.config import overrides as ov
 from stapoctl.errors import AlarmStopped, RunStopped, UserError
 from stapoctl.sweep import confirm, layout, store
 from stapoctl.sweep.definition import SweepCommand, SweepDefinition, override_key, parse_command
@@ -50,7 +52,7 @@ def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False) ->
 
         print_memory_plan(first, console, here=first.cluster.name == "local" and not first.cluster.address)
         print_plan(definition, plan_trials(definition, parent.info.run_id if parent else "<sweep id>", extra), console)
-        console.print(_how(first, k, slots), highlight=False)
+        console.print(_how(first, k, slots), highlight=False, markup=False)
         return 0
     if parent is not None:
         _take_over(parent, uri, command.force, console)
@@ -63,10 +65,11 @@ def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False) ->
     trials = plan_trials(definition, sweep_id, extra)
     records = store.trial_records(sweep_id, len(trials), uri)
     todo = [t for t in trials if not records[t.index].finished]
-    console.print(f"[bold]sweep {definition.name}[/] · id [bold]{sweep_id}[/] · {definition.key} ∈ "
-                  f"{{{', '.join(definition.values)}}} × seeds {list(definition.seeds)} = {len(trials)} trials"
+    console.print(f"[bold]sweep {escape(definition.name)}[/] · id [bold]{sweep_id}[/] · {escape(definition.key)} ∈ "
+                  + escape(f"{{{', '.join(definition.values)}}}")
+                  + f" × seeds {list(definition.seeds)} = {len(trials)} trials"
                   + (f" · {len(trials) - len(todo)} already finished, running {len(todo)}" if parent else "")
-                  + f" · MLflow {store._uri(uri)}", highlight=False)
+                  + f" · MLflow {escape(store._uri(uri))}", highlight=False)
     if first.cluster.name == "slurm":
         return _submit_trials(definition, sweep_id, trials, todo, uri, console, k)
     if todo and (submits(first) or (slots and len(todo) > 1)):
@@ -176,8 +179,9 @@ def _submit_trials(definition: SweepDefinition, sweep_id: str, trials: list[Tria
                           f"`stapoctl jobs` lists them)", highlight=False)
             wait(rec, console, stream_logs=False)
         except KeyboardInterrupt:
-            console.print(f"[yellow]stopped following; the trials keep running. The sweep's status is set by "
-                          f"`stapoctl sweep {definition.name} resume={sweep_id[:8]}` once they end[/]")
+            console.print(f"stopped following; the trials keep running. The sweep's status is set by "
+                          f"`stapoctl sweep {definition.name} resume={sweep_id[:8]}` once they end", style="yellow",
+                          markup=False)
             return 130
         except BaseException as exc:
             store.end_parent(sweep_id, uri, "FAILED", store.one_line(exc))
@@ -202,7 +206,7 @@ def reconcile(command: SweepCommand, recorded: SweepDefinition) -> tuple[SweepDe
     for item in command.cli_overrides:
         key = override_key(item)
         if key in before:
-            if before[key].partition("=")[2] != item.partition("=")[2]:
+            if _as_typed(before[key]) != _as_typed(item):
                 raise UserError(f"resume={command.resume}: {item} differs from the sweep's recorded {before[key]}: "
                                 "drop it (a resume runs the recorded sweep) or start a new sweep")
         elif key.startswith(RESUME_MAY_CHANGE):
@@ -211,6 +215,12 @@ def reconcile(command: SweepCommand, recorded: SweepDefinition) -> tuple[SweepDe
             raise UserError(f"resume={command.resume}: {item} was not part of the sweep's trials; a resume may only "
                             f"add {' / '.join(k + '*' for k in RESUME_MAY_CHANGE)} overrides: drop it or start a new sweep")
     return recorded, tuple(extra)
+
+
+def _as_typed(item: str) -> tuple[bool, str]:
+    """What a resume compares: a delete or not, and the value as typed (`2e-3` is not `0.002`)."""
+    o = ov.parse(item)
+    return o.kind == ov.DELETE, o.value
 
 
 def _show(value) -> str:
@@ -229,8 +239,8 @@ def _take_over(parent, uri: Optional[str], force: bool, console: Console) -> Non
         if alive is None and not force:
             raise UserError(f"sweep {parent.info.run_id} is RUNNING in {where} and this host cannot check that "
                             "process: resume it there, or add force=true if it is dead")
-        console.print(f"[yellow]sweep {parent.info.run_id[:8]} was left RUNNING by a process that is gone "
-                      f"({where}); taking it over[/]")
+        console.print(f"sweep {parent.info.run_id[:8]} was left RUNNING by a process that is gone "
+                      f"({where}); taking it over", style="yellow", markup=False)
     sweep_id = parent.info.run_id
     running = [run for run in store.children(sweep_id, uri) if run.info.status == "RUNNING"]
     _still_stopping(running, parent)
@@ -273,7 +283,7 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
                 since, t0 = time.time(), time.perf_counter()
                 resume = resume_point(records[trial.index])
                 if resume:
-                    console.print(f"trial {trial.index + 1} continues from its checkpoint {resume}")
+                    console.print(f"trial {trial.index + 1} continues from its checkpoint {resume}", markup=False)
                 try:
                     summary = train(compose_trial(trial, resume), console=console, session=session)
                 except KeyboardInterrupt:
@@ -295,11 +305,12 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
                     error = store.one_line(exc)
                     child_id = record_failure(sweep_id, trial, records, resume, uri, since, experiment, error)
                     outcomes[trial.index] = Outcome(trial, "FAILED", child_id, wall_s=time.perf_counter() - t0)
-                    view.finish(f"[bold red]✗ trial {trial.index + 1}/{len(trials)} {trial.run_name} FAILED[/]: {error}")
+                    view.finish(f"[bold red]✗ trial {trial.index + 1}/{len(trials)} {escape(trial.run_name)} "
+                                f"FAILED[/]: {escape(error)}")  # an engine's message may hold `[/…]`
                     continue
                 outcomes[trial.index] = out = _record_success(trial, summary, session, sweep_id, uri, since,
                                                               time.perf_counter() - t0)
-                view.finish(f"[bold green]✓[/] trial {trial.index + 1}/{len(trials)} {trial.run_name}: "
+                view.finish(f"[bold green]✓[/] trial {trial.index + 1}/{len(trials)} {escape(trial.run_name)}: "
                             f"final val {pct(out.val)} · {out.wall_s:.1f} s, of which {out.overhead_s:.1f} s "
                             f"outside steps and validation (engines {out.engines}) · run {out.run_id}")
     except KeyboardInterrupt:
@@ -307,7 +318,7 @@ def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial],
             stop_reason = f"interrupted ({received[0] if received else 'SIGINT'})"
             store.end_parent(sweep_id, uri, "KILLED", stop_reason)
         console.print(f"[yellow]sweep {sweep_id} {stop_reason}: runs ended KILLED; "
-                      f"continue with `stapoctl sweep {definition.name} resume={sweep_id[:8]}`[/]")
+                      f"continue with `stapoctl sweep {escape(definition.name)} resume={sweep_id[:8]}`[/]")
         return 143 if received else 130
     except BaseException as exc:
         if stop_reason is None:
@@ -331,9 +342,9 @@ def _end_stopped(definition: SweepDefinition, sweep_id: str, uri: Optional[str],
     """train() already ended the trial's run KILLED with a checkpoint; the parent follows."""
     with signals_deferred():
         store.end_parent(sweep_id, uri, "KILLED", stop_reason)
-    console.print(f"[yellow]sweep {sweep_id} {stop_reason}: the trial's run ended KILLED with a "
+    console.print(f"sweep {sweep_id} {stop_reason}: the trial's run ended KILLED with a "
                   f"checkpoint; continue with `stapoctl sweep {definition.name} "
-                  f"resume={sweep_id[:8]}`[/]")
+                  f"resume={sweep_id[:8]}`", style="yellow", markup=False)
 
 
 def _record_success(trial: Trial, summary: dict, session, sweep_id: str, uri: Optional[str], since: float,
@@ -357,13 +368,13 @@ def _engines(session) -> str:
 
 def print_plan(definition: SweepDefinition, trials: list[Trial], console: Console) -> None:
     """`stapoctl sweep NAME --dry-run`: the trials and their Hydra overrides; starts nothing."""
-    table = Table(title=f"sweep {definition.name}: {len(trials)} trials of experiment {definition.experiment}")
+    table = Table(title=escape(f"sweep {definition.name}: {len(trials)} trials of experiment {definition.experiment}"))
     table.add_column("trial", justify="right")
     table.add_column("run name")
-    table.add_column(definition.key)
+    table.add_column(escape(definition.key))
     table.add_column("seed", justify="right")
     table.add_column("overrides (besides the experiment's)")
     for t in trials:
         shown = [o for o in t.overrides[1:] if not o.startswith(("tracking.run_name=", "++tracking.tags="))]
-        table.add_row(str(t.index + 1), t.run_name, t.value, str(t.seed), " ".join(shown))
+        table.add_row(str(t.index + 1), escape(t.run_name), escape(t.value), str(t.seed), escape(" ".join(shown)))
     console.print(table)

@@ -33,13 +33,14 @@ def weight_source(module_of: Callable[[], Any], zero_stage: int):
     return StateDictSource()
 
 
-def gathered_one(param, zero_stage: int):
-    """The full parameter inside the block under ZeRO-3 (released at its end); as it is otherwise."""
+def gathered_one(param, zero_stage: int, modifier_rank=None):
+    """The full parameter inside the block under ZeRO-3 (released at its end; a change made on
+    `modifier_rank` is kept and re-partitioned); as it is otherwise."""
     if zero_stage != 3 or not hasattr(param, "ds_id"):
         return nullcontext()
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters([param], modifier_rank=None)
+    return deepspeed.zero.GatheredParameters([param], modifier_rank=modifier_rank)
 
 
 def gathered_bytes(module) -> int:

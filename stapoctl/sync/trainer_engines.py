@@ -6,14 +6,15 @@ side thread while rank 0 opens its end) and the send loop; they differ only in h
 its end and broadcasts. vLLM's own NCCL trainer engine cannot be used: it gives every worker
 `rank_offset=1`. CUDA IPC is vLLM's engine as it is.
 
-NCCL and IPC are UNTESTED here (no GPU with vLLM was ever available); gloo runs in CI through the
-same `CollectiveTrainer`.
+NCCL and IPC never ran end to end here (no GPU with vLLM was ever available); gloo runs in CI through
+the same `CollectiveTrainer`, and every payload NCCL and IPC send is parsed by vLLM's own worker-side
+classes in tests/test_transport_contracts.py.
 """
 
 from __future__ import annotations
 
 import importlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
@@ -65,18 +66,30 @@ class CollectiveTrainer(TrainerWeightTransferEngine[CollectiveInitInfo]):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         if not engine.is_sender:
             return engine  # other ranks only join the source's gathers
-        with ThreadPoolExecutor(max_workers=1) as exe:  # the workers block in the rendezvous meanwhile
+        # both ends at once (each blocks in the rendezvous until the other arrives); a worker that fails
+        # to join raises here at once instead of leaving rank 0 in NCCL's init, which has no timeout
+        exe = ThreadPoolExecutor(max_workers=2)
+        try:
             joined = exe.submit(client.init_weight_transfer_engine, engine.worker_init(init_info))
-            engine.group = engine.open_endpoint(init_info)
-            joined.result()
+            opened = exe.submit(engine.open_endpoint, init_info)
+            done, _ = wait([joined, opened], timeout=init_info.timeout_s, return_when=FIRST_EXCEPTION)
+            for future in (joined, opened):
+                if future in done and future.exception() is not None:
+                    raise future.exception()
+            if len(done) < 2:
+                raise TimeoutError(f"the weight link's rendezvous did not complete within {init_info.timeout_s:g} s "
+                                   "(rollout.weight_sync_timeout_s)")
+            engine.group = opened.result()
+        finally:
+            exe.shutdown(wait=False)  # a thread stuck in a rendezvous must not hold the error back
         return engine
 
     @classmethod
     def build(cls, link: TrainerLink) -> "CollectiveTrainer":
         info = CollectiveInitInfo(rank=link.rank, master_address=link.master_address, master_port=link.master_port,
                                   world_size=link.world_size, timeout_s=link.timeout_s)
-        return cls.trainer_init(info, client=RolloutActorsClient(link.rollout_handles, link.tp_size),
-                                source=weight_source(link.module_of, link.zero_stage))
+        client = RolloutActorsClient(link.rollout_handles, link.tp_size, timeout_s=link.timeout_s)
+        return cls.trainer_init(info, client=client, source=weight_source(link.module_of, link.zero_stage))
 
     def update_info(self) -> dict:
         meta = self.source.metadata()
@@ -92,7 +105,7 @@ class CollectiveTrainer(TrainerWeightTransferEngine[CollectiveInitInfo]):
         self.client.start_weight_update()  # vLLM's round; nothing here when the driver queued it (see client.py)
         with ThreadPoolExecutor(max_workers=1) as exe:
             received = exe.submit(self.client.update_weights, info)
-            self.broadcast_all(iter(self.source), info)
+            self.broadcast_all(checked(iter(self.source), info), info)
             received.result()
         self.client.finish_weight_update()
 
@@ -105,6 +118,23 @@ class CollectiveTrainer(TrainerWeightTransferEngine[CollectiveInitInfo]):
 
     def broadcast_all(self, pairs, info: dict) -> None:
         raise NotImplementedError
+
+
+def checked(pairs, info: dict):
+    """The source's tensors, each held to what the workers were told (name, dtype, shape, in order):
+    a mismatch raises on the learner instead of hanging every worker in a broadcast of another size
+    (vLLM's own NCCL trainer checks the same, `_checked_iter`)."""
+    count = 0
+    for k, (name, tensor) in enumerate(pairs):
+        want = (info["names"][k], info["dtype_names"][k], list(info["shapes"][k])) if k < len(info["names"]) else None
+        got = (name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
+        if got != want:
+            raise ValueError(f"weight push: tensor {k} is {got}, the workers expect {want} (the model changed under "
+                             "the link: a new learner.zero_stage or model needs new engines)")
+        count += 1
+        yield name, tensor
+    if count != len(info["names"]):
+        raise ValueError(f"weight push: the source gave {count} tensors, the workers expect {len(info['names'])}")
 
 
 class GlooTrainer(CollectiveTrainer):
@@ -147,16 +177,46 @@ class NCCLTrainer(CollectiveTrainer):
 
 
 class IPCTrainer:
-    """UNTESTED HERE. vLLM's CUDA IPC engine; the client makes each actor's one update call itself
-    (the IPC handles exist only once the learner shares its tensors), so its push is synchronous."""
+    """UNTESTED on a GPU here (its init payload is parsed by vLLM's own class in
+    tests/test_transport_contracts.py). vLLM's CUDA IPC engine; the client makes each actor's update
+    calls itself (the IPC handles exist only once the learner shares its tensors), so its push is
+    synchronous. No rank offsets: IPC has no rendezvous, and vLLM's worker refuses any key but
+    `packed`. Packed: vLLM's unpacked trainer keeps every tensor it yielded until the push ends (the
+    whole model, gathered, under ZeRO-3: ~16 GB per GPU at 8B); packed, one reused buffer, each chunk
+    its own update call. vLLM refuses a tensor larger than the buffer (its default 1 GiB is less than
+    Qwen3-8B's 1.24 GB embedding), so the buffer is at least the largest tensor."""
 
-    @staticmethod
-    def build(link: TrainerLink):
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+    packed = True
 
-        client = RolloutActorsClient(link.rollout_handles, link.tp_size, queued_by_driver=False)
+    @classmethod
+    def init_info(cls, link: TrainerLink):
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        meta = weight_source(link.module_of, link.zero_stage).metadata()
+        return IPCTrainerInitInfo(rank=link.rank, packed=cls.packed,
+                                  packed_buffer_size_bytes=ipc_buffer_bytes([_nbytes(m) for m in meta]))
+
+    @classmethod
+    def build(cls, link: TrainerLink):
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerWeightTransferEngine
+
+        client = RolloutActorsClient(link.rollout_handles, link.tp_size, queued_by_driver=False, rank_offsets=False,
+                                     timeout_s=link.timeout_s)
         return IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=link.rank), client=client, source=weight_source(link.module_of, link.zero_stage))
+            cls.init_info(link), client=client, source=weight_source(link.module_of, link.zero_stage))
+
+
+def ipc_buffer_bytes(tensor_bytes: Sequence[int]) -> int:
+    """The packed IPC buffer: vLLM's default (1 GiB), or the largest tensor where that is larger."""
+    from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES
+
+    return max([DEFAULT_PACKED_BUFFER_SIZE_BYTES, *map(int, tensor_bytes)])
+
+
+def _nbytes(meta: Any) -> int:
+    import math
+
+    return math.prod(meta.shape) * meta.dtype.itemsize
 
 
 def build_trainer_engine(method: str, link: TrainerLink):

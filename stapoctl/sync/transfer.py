@@ -11,13 +11,20 @@ The driver's strategies (`PUSHES`), named by each transport:
   and before any sent after — then every learner rank's `send_weights`.
 - "engine_learner_driven" (CUDA IPC): the learner makes the actors' update call itself (its IPC
   handles exist only once it shares its tensors), so a push is always waited for.
+
+Every wait on a push is bounded by `rollout.weight_sync_timeout_s` (`collect`): neither PyNccl's
+broadcast nor vLLM's NCCL worker engine has a timeout of its own, so the driver's is the bound. A
+transport that cannot re-link a new vLLM process (`relinks=False`) turns an actor that died or
+stopped answering mid-push into one `EngineFault` line naming it, its node and the transport; the
+object store leaves a death to the driver's restart-and-re-push (`trainer.engines`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
+from stapoctl.errors import EngineFault
 from stapoctl.sync.transports import choose_method, transport
 
 __all__ = ["WeightSync", "choose_method", "PUSHES"]
@@ -35,6 +42,10 @@ class ObjectStorePush:
         refs = [lrn.weights.remote() for lrn in self.learners]
         return [w.update_weights.remote(refs[0]) for w in workers] + refs[1:]
 
+    def roles(self, workers: Sequence[Any]) -> list[tuple[str, Any]]:
+        """(role, actor) of each ref `start` returns, in order."""
+        return [("rollout", w) for w in workers] + [("learner", lrn) for lrn in self.learners[1:]]
+
 
 class EnginePush:
     synchronous = False
@@ -43,7 +54,14 @@ class EnginePush:
         import ray
 
         self.learners, self.workers = list(learners), list(workers)
-        ray.get([lrn.init_weight_transfer.remote(method, self.workers, **link) for lrn in self.learners])
+        # the rendezvous is bounded by the link's own timeout (rank 0's wait on both ends); the driver's a little later
+        try:
+            ray.get([lrn.init_weight_transfer.remote(method, self.workers, **link) for lrn in self.learners],
+                    timeout=float(link["timeout_s"]) + 60.0)
+        except ray.exceptions.GetTimeoutError:
+            raise EngineFault(f"the weight link over {method} did not come up within rollout.weight_sync_timeout_s="
+                              f"{float(link['timeout_s']):g} (+60 s): a learner rank or vLLM worker is stuck in its "
+                              "rendezvous (check the nodes' network: cluster.socket_ifname)") from None
         self.update_info = self.fixed_update_info()
 
     def fixed_update_info(self):
@@ -56,6 +74,9 @@ class EnginePush:
         received = [w.receive_weights.remote(self.update_info) for w in self.workers]
         return received + [lrn.send_weights.remote() for lrn in self.learners]
 
+    def roles(self, workers: Sequence[Any]) -> list[tuple[str, Any]]:
+        return [("rollout", w) for w in self.workers] + [("learner", lrn) for lrn in self.learners]
+
 
 class LearnerDrivenPush(EnginePush):
     synchronous = True
@@ -66,48 +87,132 @@ class LearnerDrivenPush(EnginePush):
     def start(self, workers: Sequence[Any]) -> list:
         return [lrn.send_weights.remote() for lrn in self.learners]
 
+    def roles(self, workers: Sequence[Any]) -> list[tuple[str, Any]]:
+        return [("learner", lrn) for lrn in self.learners]
+
 
 PUSHES = {"object_store": ObjectStorePush, "engine": EnginePush, "engine_learner_driven": LearnerDrivenPush}
 
 
 class WeightSync:
-    """`link`: what a linked transport needs besides the actors (`tp_size`, `timeout_s`)."""
+    """`link`: what a linked transport needs besides the actors (`tp_size`, `timeout_s`). `timeout_s`
+    also bounds every wait on a push. `name_actor(role, index)`: how a stalled or dead actor is named
+    in the line (the driver gives pid and node)."""
 
     def __init__(self, learners: Sequence[Any], workers: Sequence[Any], method: str, *, tp_size: int = 1,
-                 timeout_s: float = 1800.0):
+                 timeout_s: float = 1800.0, name_actor: Optional[Callable[[str, int], str]] = None):
         self.learners, self.workers, self.method = list(learners), list(workers), method
+        self.timeout_s = float(timeout_s)
+        self.name_actor = name_actor or (lambda role, i: f"{'rollout worker' if role == 'rollout' else 'learner rank'} {i}")
+        self.broken = False  # a push failed: actors may sit in a collective; shut them down without waiting
         self._inflight: list = []
-        link = {"tp_size": int(tp_size), "timeout_s": float(timeout_s)}
+        self._inflight_roles: list = []
+        link = {"tp_size": int(tp_size), "timeout_s": self.timeout_s}
         self._push = PUSHES[transport(method).push](self.learners, self.workers, method, link)
+
+    def _start(self, workers: Sequence[Any]) -> tuple[list, list]:
+        return self._push.start(workers), self._push.roles(workers)
 
     def push_async(self) -> None:
         """Start a push and return at once (asynchronous training): the load queues behind the
         rollouts already sent to each actor, so they finish with the weights they started with.
         `wait()` collects it (errors surface there); a new push waits for the previous one."""
         self.wait()
-        self._inflight = self._push.start(self.workers)
+        self._inflight, self._inflight_roles = self._start(self.workers)
         if self._push.synchronous:
             self.wait()
 
     def wait(self) -> None:
-        import ray
-
-        inflight, self._inflight = self._inflight, []
+        inflight, roles = self._inflight, self._inflight_roles
+        self._inflight, self._inflight_roles = [], []
         if inflight:
-            ray.get(inflight)
+            self.collect(inflight, roles)
 
     def push(self) -> dict[str, float]:
         """Send the learner's current weights to every rollout actor; returns timings."""
-        import ray
-
         self.wait()
         t0 = time.perf_counter()
-        results = ray.get(self._push.start(self.workers))
+        results = self.collect(*self._start(self.workers))
         loads = [r["sync_load_s"] for r in results if isinstance(r, dict) and "sync_load_s" in r]
         return {"timing_s/sync": time.perf_counter() - t0, "timing_s/sync_load": max(loads, default=float("nan"))}
 
     def push_to(self, workers: Sequence[Any]) -> None:
         """Current weights to some actors only (restarted ones), where the transport can re-link them."""
+        self.collect(*self._start(list(workers)))
+
+    def collect(self, refs: list, roles: list) -> list:
+        """The push's results, waited for at most `timeout_s`. A relinking transport (the object
+        store) raises an actor's death as Ray does, for the driver to restart it; the others raise one
+        `EngineFault` line: which actor died or did not answer, where, over which transport."""
         import ray
 
-        ray.get(self._push.start(list(workers)))
+        deadline = time.monotonic() + self.timeout_s
+        index = {id(ref): k for k, ref in enumerate(refs)}
+        pending, results = list(refs), [None] * len(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.broken = True
+                raise EngineFault(self._stalled_line([roles[index[id(r)]] for r in pending]))
+            k = index[id(ready[0])]
+            try:
+                results[k] = ray.get(ready[0])
+            except Exception as exc:
+                if transport(self.method).relinks:
+                    raise
+                self.broken = True
+                raise EngineFault(self._failed_line(roles[k], exc, pending, roles, index)) from exc
+        return results
+
+    def _name(self, role: str, actor: Any) -> str:
+        group = self.workers if role == "rollout" else self.learners
+        return self.name_actor(role, next((i for i, a in enumerate(group) if a is actor), -1))
+
+    def _stalled_line(self, stalled: list) -> str:
+        workers = [r for r in stalled if r[0] == "rollout"] or stalled
+        others = [r for r in stalled if r not in workers]
+        also = f" (waiting on it: {', '.join(self._name(*r) for r in others)})" if others else ""
+        return (f"the weight sync over {self.method} did not finish within rollout.weight_sync_timeout_s="
+                f"{self.timeout_s:g}: {', '.join(self._name(*r) for r in workers)} stopped answering mid-push{also}")
+
+    def _failed_line(self, role: tuple, exc: BaseException, pending: list, roles: list, index: dict) -> str:
+        """A dead rollout worker is the cause even when the learner's broadcast failed first (its peer
+        went away): the other refs get a few seconds to show it."""
+        import ray
+
+        from stapoctl.launch.actor_errors import describe_actor_death, remote_error
+
+        dead = [(who, exc)] if (who := self._dead(role, exc)) else []
+        if pending and (not dead or dead[0][0][0] != "rollout"):
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=min(10.0, self.timeout_s))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as other:
+                    if (who := self._dead(roles[index[id(ref)]], other)):
+                        dead.append((who, other))
+        dead.sort(key=lambda d: d[0][0] != "rollout")
+        if dead:
+            (who, why) = dead[0]
+            line = f"{self._name(*who)} died during the weight sync over {self.method} ({describe_actor_death(why)})"
+            return line + (f"; weight_sync={self.method} cannot re-link a new vLLM process" if who[0] == "rollout" else "")
+        err = remote_error(exc)
+        cause = err.cause if err is not None else (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
+        return f"the weight sync over {self.method} failed in {self._name(*role)}: {cause}"
+
+    def _dead(self, role: tuple, exc: BaseException):
+        """(role, actor) of the actor an error says died: the call's own actor when Ray lost it, or —
+        when the call's actor raised it (the learner driving a CUDA IPC push) — the actor it names."""
+        import ray
+
+        if isinstance(exc, ray.exceptions.RayTaskError):  # the call's actor ran and raised: it is alive
+            cause = getattr(exc, "cause", None)
+            if not isinstance(cause, ray.exceptions.RayActorError):
+                return None
+            actor_id = str(getattr(cause, "actor_id", "") or "")
+            for r, group in (("rollout", self.workers), ("learner", self.learners)):
+                for a in group:
+                    if actor_id and getattr(getattr(a, "_actor_id", None), "hex", lambda: "")() == actor_id:
+                        return (r, a)
+            return None
+        return role if isinstance(exc, ray.exceptions.RayActorError) else None

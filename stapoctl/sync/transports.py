@@ -25,6 +25,10 @@ class Transport:
     vllm_backend: Optional[str] = None  # the worker engine's name in vLLM's WeightTransferEngineFactory
     trainer: Optional[str] = None  # "module:Class" of the trainer engine (a TrainerWeightTransferEngine)
     relinks: bool = False  # a restarted rollout actor can be given the weights alone (else: resume the run)
+    # the workers join a process group with the learner's rank 0 (gloo, NCCL): each init payload
+    # carries the actor's `rank_offset`, and each worker process holds a rank. CUDA IPC has none: its
+    # init payload is vLLM's `{"packed": ...}` exactly (an extra key fails vLLM's parse).
+    rendezvous: bool = False
 
 
 TRANSPORTS: dict[str, Transport] = {}
@@ -62,10 +66,11 @@ register_transport(Transport(
 register_transport(Transport(
     "gloo", "CPU or GPU: byte buckets broadcast over torch.distributed gloo from the learner's rank 0 to every vLLM "
     "worker process (stapoctl's vLLM engine `stapo_gloo`; the collective path CI runs)",
-    push="engine", vllm_backend="stapo_gloo", trainer="stapoctl.sync.trainer_engines:GlooTrainer"))
+    push="engine", vllm_backend="stapo_gloo", trainer="stapoctl.sync.trainer_engines:GlooTrainer", rendezvous=True))
 register_transport(Transport(
     "nccl", "GPU, disaggregated: a broadcast from the learner's rank 0 to every vLLM worker (vLLM's NCCL engine)",
-    push="engine", needs_gpu=True, vllm_backend="nccl", trainer="stapoctl.sync.trainer_engines:NCCLTrainer"))
+    push="engine", needs_gpu=True, vllm_backend="nccl", trainer="stapoctl.sync.trainer_engines:NCCLTrainer",
+    rendezvous=True))
 register_transport(Transport(
     "ipc", "GPU, colocated: CUDA IPC handles of the learner's tensors opened by vLLM on the same GPU",
     push="engine_learner_driven", needs_gpu=True, vllm_backend="ipc",

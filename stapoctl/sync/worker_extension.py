@@ -8,7 +8,7 @@ re-runs the loader in place and is what we call.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 EXTENSION_CLS = "stapoctl.sync.worker_extension.WeightSyncExtension"
 
@@ -63,7 +63,16 @@ class WeightSyncExtension:
 
     def stapo_transfer_rank(self) -> int:
         """This worker process's rank in a linked transport's group (-1: none)."""
-        return int(getattr(getattr(self, "weight_transfer_engine", None), "rank", -1))
+        return transfer_rank(getattr(self, "weight_transfer_engine", None))
+
+    def stapo_test_perturb_embedding(self, scale: float) -> None:
+        """Tests only (the sync canary's alarm): the embedding moved by `scale` × its std."""
+        import torch
+
+        weight = self.model_runner.get_model().model.embed_tokens.weight
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            weight.add_(torch.randn(tuple(weight.shape), generator=g).to(weight) * float(scale) * weight.float().std())
 
     def stapo_weight_checksum(self) -> float:
         """Sum of every parameter, a cheap fingerprint tests use to see a sync landed."""
@@ -72,6 +81,18 @@ class WeightSyncExtension:
         model = self.model_runner.get_model()
         with torch.no_grad():
             return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+
+
+def transfer_rank(engine: Any) -> int:
+    """A worker engine's rank in its transport's group: stapoctl's gloo engine holds it as `rank`,
+    vLLM's NCCL engine on its communicator (`model_update_group.rank`, a PyNcclCommunicator); -1
+    where there is none (no link yet, or CUDA IPC, which has no group)."""
+    if engine is None:
+        return -1
+    if isinstance(getattr(engine, "rank", None), int):
+        return int(engine.rank)
+    group = getattr(engine, "model_update_group", None)
+    return int(getattr(group, "rank", -1)) if group is not None else -1
 
 
 def register_transports() -> None:

@@ -34,6 +34,8 @@ class Alarm:
     name: str
     step: int
     message: str  # one line: what was seen, against which threshold
+    action: str = ""  # what the loop does after it; "" = trainer.alarm_action (inert_knobs: its own, warn)
+    setting: str = ""  # the key that chose `action` when it is the alarm's own
 
 
 def limits_from(node: Any) -> Limits:

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 from rich.console import Console
 
+from stapoctl.errors import labelled
 from stapoctl.trainer import run_files, run_record, setup
 from stapoctl.trainer.faults import engine_faults
 from stapoctl.trainer.loop import Loop
@@ -46,9 +47,9 @@ def train(conf: DictConfig, console: Optional[Console] = None, session: Any = No
 def _train(conf: DictConfig, console: Console, session: Any, stop, own: bool) -> dict:
     from stapoctl.tracking import mlflow_run
 
-    warn = lambda msg: console.print(f"[yellow]{msg}[/]")  # noqa: E731
+    warn = lambda msg: console.print(msg, style="yellow", markup=False, highlight=False)  # noqa: E731  (paths: text)
     uri = mlflow_run.tracking_uri(conf.tracking.uri)
-    console.print(f"[bold]MLflow store:[/] {uri}  (experiment '{conf.tracking.experiment}')")
+    console.print(labelled("MLflow store:", f"{uri}  (experiment '{conf.tracking.experiment}')", "bold"))
 
     conf, resume_dir, state = setup.resume_point(conf, console, warn)
     if state and int(state["step"]) >= int(conf.trainer.total_steps):
@@ -61,7 +62,7 @@ def _train(conf: DictConfig, console: Console, session: Any, stop, own: bool) ->
         run_id, run_dir = record.run_id, record.run_dir
         rec = record.buffer
         base = run_record.record_start(conf, record, state, resume_dir, base_model)
-        console.print(f"MLflow run {run_id} · run dir {run_dir}")
+        console.print(f"MLflow run {run_id} · run dir {run_dir}", markup=False)
         tokenizer = run_files.tokenizer_dir(run_dir, policy_path)  # before any save can rotate policy_path out
         with engine_faults(None, run_id, run_dir, uri), setup.running_engines(  # a failed checkpoint load: one line
                 conf, policy_path, resume_dir, console, session, own, base_model) as (engines, scorer):

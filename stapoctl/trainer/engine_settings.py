@@ -62,12 +62,20 @@ def learner_shared_prefix(conf: DictConfig) -> str:
     return "on" if shared_prefix.enabled(dict(conf.learner), on_gpu) else "off"
 
 
+def process_group_timeout_s(conf: DictConfig) -> float:
+    """`learner.process_group_timeout_s`, or its auto value: twice `rollout.weight_sync_timeout_s`, so
+    the driver's bound on a push names a stalled actor before any rank's collective times out."""
+    value = conf.learner.get("process_group_timeout_s")
+    return float(value) if value else 2.0 * float(conf.rollout.get("weight_sync_timeout_s") or 1800.0)
+
+
 def learner_args(conf: DictConfig, reference_path: Optional[str] = None) -> dict[str, Any]:
     """Everything a learner rank's `setup` / `reset` takes from a run's config; `reference_path`:
     the run's initial policy when it differs from the weights it starts from (a resumed run)."""
     r = conf.rollout
     learner = OmegaConf.to_container(conf.learner, resolve=True)
     learner["num_threads"] = thread_counts(conf)[1]
+    learner["process_group_timeout_s"] = process_group_timeout_s(conf)
     return dict(
         learner=learner,
         loss=OmegaConf.to_container(conf.loss, resolve=True),

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from omegaconf import DictConfig
 
-from stapoctl.errors import UserError
+from stapoctl.errors import EngineFault, UserError
 from stapoctl.launch.actor_errors import describe_actor_death, user_error_in
 from stapoctl.trainer.engine_settings import learner_args, thread_counts
 
@@ -118,8 +118,6 @@ class Engines:
         """
         import ray
 
-        from stapoctl.errors import RunFailed
-
         deadline = time.monotonic() + self.restart_timeout_s
         infos = []
         for i, w in enumerate(self.workers):
@@ -128,13 +126,12 @@ class Engines:
                     infos.append(ray.get(w.info.remote(), timeout=max(1.0, deadline - time.monotonic())))
                     break
                 except ray.exceptions.ActorDiedError as exc:  # for good: no restart left (or none allowed)
-                    raise RunFailed(f"rollout actor {i} died and Ray did not restart it (rollout.max_restarts="
-                                    f"{self.max_restarts}): {describe_actor_death(exc)}; the run is FAILED, resume it "
-                                    "from its last checkpoint") from exc
+                    raise EngineFault(f"{self.actor_label('rollout', i)} died and Ray did not restart it "
+                                      f"({self._why_no_restart()}): {describe_actor_death(exc)}") from exc
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                     if time.monotonic() > deadline:
-                        raise RunFailed(f"rollout actor {i} did not come back within {self.restart_timeout_s:.0f} s "
-                                        f"after dying: {describe_actor_death(exc)}") from exc
+                        raise EngineFault(f"{self.actor_label('rollout', i)} did not come back within "
+                                          f"{self.restart_timeout_s:.0f} s after dying: {describe_actor_death(exc)}") from exc
                 time.sleep(0.5)
         replaced = [i for i, info in enumerate(infos)
                     if i < len(self.worker_pids) and info["pid"] != self.worker_pids[i]]
@@ -156,12 +153,29 @@ class Engines:
         from stapoctl.sync.transports import transport
 
         if not transport(self.sync.method).relinks:
-            from stapoctl.errors import RunFailed
-
-            raise RunFailed(f"a rollout actor restarted and weight_sync={self.sync.method} cannot re-link a new "
-                            "vLLM process yet: resume the run from its last checkpoint")
+            raise EngineFault(f"a rollout actor restarted and weight_sync={self.sync.method} cannot re-link a new "
+                              "vLLM process")
         self.sync.push_to(workers)
         ray.get([w.update_weight_version.remote(str(self.weight_version)) for w in workers])
+
+    def _why_no_restart(self) -> str:
+        from stapoctl.sync.transports import transport
+
+        method = getattr(self.sync, "method", "")
+        if method and not transport(method).relinks:
+            return f"weight_sync={method} cannot re-link a new vLLM process, so none is started"
+        return f"rollout.max_restarts={self.max_restarts}"
+
+    def actor_label(self, role: str, i: int) -> str:
+        """'rollout worker 1 (pid 4242, node 10.0.0.5)': what a failure line names."""
+        from stapoctl.launch.ray_runtime import node_address
+
+        pids = self.worker_pids if role == "rollout" else self.info.get("learner_pids", [])
+        nodes = self.info.get("nodes", {}).get(role, [])
+        where = [f"pid {pids[i]}" if 0 <= i < len(pids) else "",
+                 f"node {node_address(nodes[i])}" if 0 <= i < len(nodes) and nodes[i] else ""]
+        name = f"{'rollout worker' if role == 'rollout' else 'learner rank'} {i}"
+        return f"{name} ({', '.join(w for w in where if w)})" if any(where) else name
 
     def learner_rank_of(self, exc: BaseException) -> Optional[int]:
         """Which learner rank an actor error is about (None: not a learner)."""
@@ -181,6 +195,8 @@ class Engines:
         is killed when the grace runs out."""
         import ray
 
+        if getattr(self.sync, "broken", False):  # a failed push: actors may sit in a collective for good
+            grace_s = min(grace_s or 2.0, 2.0)
         # every actor's own clean-up at once (each is a separate process), each bounded
         calls = []
         for actor, timeout in [*((w, grace_s or 60.0) for w in self.workers),
@@ -204,6 +220,14 @@ class Engines:
 
 
 _MAX_RESENDS = 5
+
+
+def rollout_max_restarts(rollout_cfg: Any, method: str) -> int:
+    """`rollout.max_restarts`, or 0 where the transport cannot re-link a new vLLM process (gloo,
+    NCCL, IPC): a restart would only wait for a process that can never be given the weights."""
+    from stapoctl.sync.transports import transport
+
+    return int(rollout_cfg.get("max_restarts", 0) or 0) if transport(method).relinks else 0
 
 
 def is_rollout_loss(exc: BaseException) -> bool:
@@ -271,11 +295,15 @@ class EngineLaunch:
             "started_ray": self.started_ray,
             "nodes": {"rollout": [w.get("node_id", "") for w in worker_info],
                       "learner": [x.get("node_id", "") for x in learner_info]},
+            "learner_pids": [x.get("pid", 0) for x in learner_info],
         }
-        say = (lambda msg: self.console.print(f"[yellow]{msg}[/]")) if self.console is not None else None
-        return Engines(workers=self.workers, learners=self.learners, sync=sync, placement=self.placement, info=info,
-                       worker_pids=[w["pid"] for w in worker_info], max_restarts=int(r.get("max_restarts", 0) or 0),
-                       say=say)
+        say = ((lambda msg: self.console.print(msg, style="yellow", markup=False, highlight=False))
+               if self.console is not None else None)
+        engines = Engines(workers=self.workers, learners=self.learners, sync=sync, placement=self.placement, info=info,
+                          worker_pids=[w["pid"] for w in worker_info], max_restarts=rollout_max_restarts(r, self.method),
+                          say=say)
+        sync.name_actor = engines.actor_label
+        return engines
 
     def abort(self) -> None:
         """Stop the half-started actors (a failed start, or the driver's set-up failed meanwhile).
@@ -291,7 +319,7 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
     starting in parallel (see `EngineLaunch.ready`)."""
     import ray
 
-    from stapoctl.launch.placement import make_placement, rollout_gpus
+    from stapoctl.launch.placement import make_placement
     from stapoctl.launch.ray_runtime import ensure_ray
     from stapoctl.learner.deepspeed_learner import make_learner_group
     from stapoctl.rollout.vllm_worker import make_rollout_worker
@@ -309,20 +337,22 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
             "set both to 0 on a CPU machine (the embedded default does)"
         )
     method = choose_method(r.weight_sync, on_gpu=on_gpu, placement=lrn.placement)
-    say = (lambda msg: console.print(f"[yellow]{msg}[/]")) if console is not None else None
+    say = (lambda msg: console.print(msg, style="yellow", markup=False, highlight=False)) if console is not None else None
     placement = make_placement(r, lrn, timeout_s=float(conf.cluster.placement_timeout_s), on_wait=say)
     spec = engine_spec(conf, policy_path, method, on_gpu)
     workers: list = []
     try:
-        for i in range(int(r.num_workers)):
-            workers.append(make_rollout_worker(spec, num_cpus=float(r.cpus_per_worker), num_gpus=rollout_gpus(r),
-                                               options=placement.rollout_options(i), synced=True,
-                                               max_restarts=int(r.get("max_restarts", 0) or 0),
+        for i in range(int(r.num_workers)):  # every resource an actor asks is the placement's (actor_asks)
+            opts = placement.rollout_options(i)
+            workers.append(make_rollout_worker(spec, num_cpus=opts["num_cpus"], num_gpus=opts["num_gpus"],
+                                               options=opts, synced=True, on_gpu=on_gpu,
+                                               max_restarts=rollout_max_restarts(r, method),
                                                env_extra=placement.rollout_env(i)))
         if spec.colocated:  # vLLM sizes its memory before the learner allocates beside it
             ray.get([w.info.remote() for w in workers])
         learners, setup_refs = make_learner_group(policy_path, **learner_args(conf, reference_path),
-                                                   placement=placement, wait=False)
+                                                   placement=placement, wait=False,
+                                                   start_timeout_s=float(conf.cluster.placement_timeout_s) + 300.0)
     except BaseException:
         Engines(workers=workers, learners=[], sync=None, placement=placement).shutdown()
         raise

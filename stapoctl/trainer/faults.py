@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from stapoctl.errors import RunFailed, RunStopped, UserError
+from stapoctl.errors import EngineFault, RunFailed, RunStopped, UserError
 
 ERRORS_LOG = "errors.log"
 
@@ -84,6 +84,8 @@ def engine_faults(engines, run_id: str, run_dir: Path, uri: Any = None, step_of=
     `step_of()`: the step in progress, for the line; `engines` None: before they are up."""
     try:
         yield
+    except EngineFault as exc:
+        raise RunFailed(f"{exc}: the run is FAILED; {resume_hint(run_dir, run_id, uri)}") from exc
     except (RunFailed, RunStopped, UserError):
         raise
     except Exception as exc:

@@ -9,6 +9,7 @@ from typing import Optional
 from rich import box
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
@@ -58,7 +59,8 @@ class LiveView:
             TimeRemainingColumn(),
             console=console,
         )
-        self.task = self.progress.add_task(title, total=total_steps, completed=start_step, info="")
+        # the title names the experiment, the status its phase: both rendered as markup by rich, so escaped
+        self.task = self.progress.add_task(escape(title), total=total_steps, completed=start_step, info="")
         self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
 
     def __enter__(self) -> "LiveView":
@@ -71,7 +73,7 @@ class LiveView:
 
     def status(self, text: str) -> None:
         """A phase message (generating, updating, validating) next to the bar."""
-        self.progress.update(self.task, info=text)
+        self.progress.update(self.task, info=escape(text))
         self.live.update(self._render())
 
     def step(self, step: int, metrics: dict) -> None:
@@ -93,7 +95,7 @@ class LiveView:
         self.live.update(self._render())
 
     def _render(self):
-        table = Table(title=self.title, expand=False, box=box.SIMPLE_HEAD, pad_edge=False)
+        table = Table(title=escape(self.title), expand=False, box=box.SIMPLE_HEAD, pad_edge=False)
         for header, _, _ in COLUMNS:
             table.add_column(header, justify="right", no_wrap=True)
         for row in self.rows:

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 
 from stapoctl.trainer.run_record import ReplayCheck, set_tags
 from stapoctl.trainer.step_runner import PendingRollout, StepRunner
@@ -69,6 +70,8 @@ class Loop:
     protocol: str = ""  # sha256 of the validations' protocol, once recorded by this process
     watch: Any = None  # HealthWatch: the run-health alarms (trainer.alarms)
     alarmed: list = field(default_factory=list)  # the alarms that stop the run (trainer.alarm_action=stop)
+    inert: Any = None  # InertWatch: configured terms that never changed an update (trainer/inert.py)
+    canary: Any = None  # SyncCanary: vLLM's log-probs against the learner's after each push (trainer/sync_canary.py)
 
     def run(self, start_step: int, console: Console) -> dict:
         """Steps start_step+1 … total: step, validate when due, log, checkpoint when due."""
@@ -84,6 +87,8 @@ class Loop:
             from stapoctl.trainer.alarms import HealthWatch, limits_from
 
             self.watch = HealthWatch(limits_from(conf.trainer.get("alarm_limits")))
+            self.canary = _sync_canary(conf, runner.engines, self.watch.limits)
+        self.inert = _inert_watch(conf, start_step)
         with LiveView(console, total, start_step, title=f"{conf.experiment} · {conf.loss.name}") as view:
             if runner.data.val_sets and start_step == 0 and conf.trainer.val_before_train:
                 first_val = self._validate_start(view)
@@ -92,8 +97,9 @@ class Loop:
                 last, saved = self._steps(view, start_step, ahead, due, replay)
                 runner.engines.wait_weights()
             finally:  # the figures still being drawn go into the run before its record ends
-                runner.drain_diagnostics(lambda msg: console.print(f"[yellow]{msg}[/]"))
+                runner.drain_diagnostics(lambda msg: console.print(msg, style="yellow", markup=False, highlight=False))
         replay.report(console)
+        self._name_inert(console)
         out: dict[str, Any] = {"steps": total, "final": dict(last), "replayed": replay.summary()}
         if first_val:
             out["first_val"] = first_val
@@ -152,7 +158,8 @@ class Loop:
             from stapoctl.trainer.dynamic_sampling import DynamicSampling
 
             return DynamicSampling(self.conf, self.runner, self.sampler, ahead=ahead, total=total,
-                                   say=lambda msg: view.console.print(f"[yellow]{msg}[/]", soft_wrap=True))
+                                   say=lambda msg: view.console.print(msg, style="yellow", markup=False,
+                                                                      highlight=False, soft_wrap=True))
         return PlainSteps(self.runner, self.sampler, ahead, total)
 
     def _log_step(self, view, step: int, due: Cadence, batch, metrics: dict, replay: ReplayCheck) -> None:
@@ -179,18 +186,31 @@ class Loop:
         from stapoctl.tracking import keys
 
         fired = self.watch.feed(step, metrics) if self.watch is not None else []
+        if self.inert is not None:
+            fired += self.inert.feed(step, metrics, self.watch.limits.inert_action if self.watch else "warn")
+        if self.canary is not None:
+            fired += self.canary.feed(step, metrics)
         if not fired:
             return False
-        action = str(self.conf.trainer.get("alarm_action") or "warn")
+        default = str(self.conf.trainer.get("alarm_action") or "warn")
         then = {"warn": "the run goes on (trainer.alarm_action=warn)",
                 "checkpoint": "checkpoint now, the run goes on (trainer.alarm_action=checkpoint)",
-                "stop": "checkpoint now, then the run stops KILLED (trainer.alarm_action=stop)"}[action]
-        for alarm in fired:
-            view.console.print(f"[bold red]{alarm.message}[/]; {then}", highlight=False, soft_wrap=True)
+                "stop": "checkpoint now, then the run stops KILLED (trainer.alarm_action=stop)"}
+        actions = [a.action or default for a in fired]
+        for alarm, action in zip(fired, actions):
+            said = then[action] if not alarm.action else then[action].replace(
+                "trainer.alarm_action", alarm.setting or "trainer.alarm_limits.inert_action")
+            view.console.print(f"[bold red]{escape(alarm.message)}[/]; {escape(said)}", highlight=False, soft_wrap=True)
         set_tags({keys.ALARM_PREFIX + a.name: str(step) for a in fired})
-        if action == "stop":
-            self.alarmed.extend(fired)
-        return action != "warn"
+        self.alarmed.extend(a for a, action in zip(fired, actions) if action == "stop")
+        return any(action != "warn" for action in actions)
+
+    def _name_inert(self, console: Console) -> None:
+        """The run's end: every configured term that never changed an update, in one line and tagged."""
+        line, tags = self.inert.summary() if self.inert is not None else ("", {})
+        if line:
+            console.print(line, style="yellow", highlight=False, markup=False, soft_wrap=True)
+            set_tags(tags)
 
     def _end_if_alarmed(self, saved: int) -> None:
         """An alarm with trainer.alarm_action=stop: the run ends KILLED, the alarm named, resumable."""
@@ -198,9 +218,10 @@ class Loop:
             from stapoctl.errors import AlarmStopped
 
             names = ", ".join(a.name for a in self.alarmed)
-            raise AlarmStopped(f"alarm {names} at step {self.alarmed[0].step} (trainer.alarm_action=stop): stopped with "
+            key = self.alarmed[0].setting or "trainer.alarm_action"  # the canary's (and inert_knobs') own action
+            raise AlarmStopped(f"alarm {names} at step {self.alarmed[0].step} ({key}=stop): stopped with "
                                f"checkpoint step_{saved:06d}; see docs/RUNS.md \"Alarms\", then resume with "
-                               f"`stapoctl train resume={self.run_id}` (trainer.alarm_action=warn to go on past it)",
+                               f"`stapoctl train resume={self.run_id}` ({key}=warn to go on past it)",
                                tuple(a.name for a in self.alarmed))
 
     def _end_if_stopped(self, total: int, saved: int) -> None:
@@ -243,6 +264,29 @@ class Loop:
             if isinstance(exc, RayTaskError):  # not the disk (`checkpoint.save` says that): the learner's error
                 raise
             raise RunFailed(save_failure(exc, self.run_dir, step, self.run_id, self.conf.tracking.uri)) from exc
+
+
+def _sync_canary(conf, engines, limits):
+    """The canary alarm of the run's transport and dtype, naming a worker by pid and node."""
+    from stapoctl.trainer.sync_canary import SyncCanary
+
+    method = str(getattr(getattr(engines, "sync", None), "method", "") or conf.rollout.weight_sync)
+    name = (lambda i: engines.actor_label("rollout", i)) if hasattr(engines, "actor_label") else (
+        lambda i: f"rollout worker {i}")
+    return SyncCanary(limits, str(conf.model.dtype), method, name)
+
+
+def _inert_watch(conf, start_step: int):
+    """The run's InertWatch (trainer/inert.py); a resumed run's logged steps are evidence too."""
+    from stapoctl.trainer.alarms import limits_from
+    from stapoctl.trainer.inert import InertWatch, knobs
+    from stapoctl.tracking.metric_buffer import active
+
+    after = limits_from(conf.trainer.get("alarm_limits")).inert_steps if conf.trainer.get("alarms", True) else 0
+    watch = InertWatch(knobs(conf), after)
+    if start_step:
+        watch.seed(active(), start_step)
+    return watch
 
 
 def _validate(conf, engines, scorer, val_sets, step: int) -> dict:

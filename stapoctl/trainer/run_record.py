@@ -151,8 +151,8 @@ def _finish_record(run_dir: Path, run_id: str, uri: str, console: Console) -> No
     try:
         status = client(uri).get_run(run_id).info.status
     except Exception as exc:
-        console.print(f"[yellow]MLflow at {uri} not reachable ({' '.join(str(exc).split())[:120]}); "
-                      "the run's record is left as it is[/]")
+        console.print(f"MLflow at {uri} not reachable ({' '.join(str(exc).split())[:120]}); "
+                      "the run's record is left as it is", style="yellow", markup=False, highlight=False)
         return
     from stapoctl.trainer.run_status import run_dir_lock
 
@@ -176,4 +176,4 @@ def _print_summary(summary: dict, console: Console) -> None:
         parts.append(f"final val {val:.1%}")
     console.print("[bold green]done[/] · " + " · ".join(parts))
     console.print(f"checkpoints: {summary.get('run_dir')}/checkpoints · resume with "
-                  f"`stapoctl train resume={summary.get('run_id')}`")
+                  f"`stapoctl train resume={summary.get('run_id')}`", markup=False)

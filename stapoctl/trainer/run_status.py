@@ -182,7 +182,8 @@ def tracked_run(*, uri: str, experiment: str, run_dir_for, console: Any, run_nam
             _end_now(uri, run_id, exc)
             raise
         try:
-            say = (lambda msg: console.print(f"[yellow]{msg}[/]")) if console is not None else None
+            say = ((lambda msg: console.print(msg, style="yellow", markup=False, highlight=False))
+                   if console is not None else None)
             buffer = MetricBuffer(run_dir, run_id, uri, say=say)
             record = RunRecord(run_id, run_dir, uri, buffer, console, flush_timeout_s)
             try:
@@ -196,7 +197,7 @@ def tracked_run(*, uri: str, experiment: str, run_dir_for, console: Any, run_nam
             finally:
                 note = buffer.close_note(buffer.close(flush_timeout_s), flush_timeout_s)
                 if note and console is not None:
-                    console.print(f"[yellow]{note}[/]", highlight=False, soft_wrap=True)
+                    console.print(note, style="yellow", highlight=False, markup=False, soft_wrap=True)
         finally:
             lock.__exit__(None, None, None)
 

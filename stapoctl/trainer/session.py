@@ -25,6 +25,9 @@ RESTART_KEYS = (
     "rollout.placement_strategy",
     "learner.backend", "learner.num_ranks", "learner.gpus_per_rank", "learner.cpus", "learner.resources",
     "learner.placement_strategy", "learner.placement",
+    # the weight link captures the stage when it is built (a ZeRO-3 source gathers, a ZeRO-2 one does
+    # not): a trial on another stage would send 0-element shards under full-shape metadata
+    "learner.zero_stage", "learner.process_group_timeout_s",
     "cluster",
 )
 

@@ -115,7 +115,7 @@ def _starting_model(model: str, console: Console) -> str:
     copy = run_files.starting_model(model)
     if copy != model:
         console.print(f"starting model {model} is a checkpoint, which its run's trainer.keep_checkpoints may delete: "
-                      f"this run reads its copy {copy}")
+                      f"this run reads its copy {copy}", markup=False)
     return copy
 
 
@@ -157,6 +157,7 @@ class TrainData:
     answers: list[str]
     questions: list[str]
     val_sets: dict  # bench → (eval Problems, k)
+    kinds: list | None = None  # each prompt's answer kind (data prep's `answer_kind`); None: each gold's form
 
 
 def prepare_data(conf: DictConfig, tokenizer_path: str, console: Console) -> TrainData:
@@ -169,7 +170,8 @@ def prepare_data(conf: DictConfig, tokenizer_path: str, console: Console) -> Tra
     ids, rows = tokenize_prompts(rows, tokenizer, int(conf.data.max_prompt_length), "training", console)
     val_sets = validation_sets(conf, tokenizer, tokenizer_path, max_model_len(conf, tokenizer_path))
     return TrainData(tokenizer, ids, [str(r["answer"]) for r in rows],
-                     [str(r.get("problem", r["prompt"])) for r in rows], val_sets)
+                     [str(r.get("problem", r["prompt"])) for r in rows], val_sets,
+                     [r.get("answer_kind") for r in rows])
 
 
 def _driver_setup(conf: DictConfig, policy_path: str, console: Console, uri: str) -> TrainData:

@@ -94,7 +94,7 @@ class GracefulStop:
     def _say(self, text: str) -> None:
         if self.console is not None:
             try:
-                self.console.print(f"[yellow]{text}[/]")
+                self.console.print(text, style="yellow", markup=False, highlight=False)
             except Exception:
                 pass
 

@@ -42,6 +42,7 @@ class StepRunner:
 
         self.conf, self.engines, self.scorer, self.data = conf, engines, scorer, data
         self.prompt_ids, self.answers, self.questions = data.prompt_ids, data.answers, data.questions
+        self.kinds = data.kinds  # answer kinds: how each list gold compares (None: by its form)
         self.loss_cfg = OmegaConf.to_container(conf.loss, resolve=True)
         self.pad_id = int(engines.info.get("pad_token_id") or 0)
         self.old_source = old_logprob_source(conf)
@@ -50,6 +51,7 @@ class StepRunner:
         self._worker_rows: list[int] = []  # the rollout worker of each row of the batch to train on
         self._diag_pool: Any = None
         self._diag_jobs: list = []
+        self._last_drift: Any = None  # losses/drift.py Drift of the last measured step (the trace page reads it)
 
     # -- rollout ---------------------------------------------------------------------------
     def launch_rollout(self, indices: list[int], step: int, sampler_state: Optional[dict] = None, *,
@@ -107,7 +109,8 @@ class StepRunner:
         t0 = time.perf_counter()
         rows = batch.prompt_index.tolist()
         rewards, stats = self.scorer.score(batch.texts, [self.answers[i] for i in rows],
-                                           [self.questions[i] for i in rows])
+                                           [self.questions[i] for i in rows],
+                                           [self.kinds[i] for i in rows] if self.kinds else None)
         penalty = overlong_penalty(batch, self.conf)  # DAPO's soft overlong punishment (0 when off)
         rewards_t = torch.as_tensor(rewards, dtype=torch.float32) + penalty
         adv = compute_advantages(self.loss_cfg["name"], rewards_t, batch.group_ids, **self.loss_cfg)
@@ -131,11 +134,18 @@ class StepRunner:
         return bool((every and step % every == 0) or (diag and step % diag == 0))
 
     def update(self, batch, step: int, *, staleness: int = 0) -> dict:
+        # async: the previous push may still be in flight; rank 0 runs train_step only after its
+        # send, so wait on the push first, bounded by rollout.weight_sync_timeout_s (a worker stalled
+        # in it is named there) rather than on train_step without a bound
+        self.engines.wait_weights()
         result = self.engines.call_learners("train_step", loss_view(batch, self.conf), step, self.old_source,
                                             measure=self.measure_due(step), behavior=staleness > 0)
         self.learner_version += 1
         m = dict(result.metrics)
         self._last_old, self._last_entropy = result.old_log_probs, result.entropy
+        self._last_drift = self._drift(batch, result) if result.old_log_probs is not None else None
+        for k, v in (self._last_drift.metrics.items() if self._last_drift is not None else ()):
+            m.setdefault(k, v)  # the loss's own value stays where it measured one (behaviour log-probs given)
         diff_rows = result.logprob_diff_rows
         workers = self._worker_rows
         if diff_rows is not None and len(set(workers)) > 1 and len(workers) == len(diff_rows):  # the sync canary
@@ -143,6 +153,21 @@ class StepRunner:
                 rows = [k for k, w in enumerate(workers) if w == j]
                 m[f"rollout/logprob_diff_max/worker_{j}"] = float(diff_rows[rows].max())
         return m
+
+    def _drift(self, batch, result):
+        """Learner vs vLLM log-probs of the measured step, per cell and per rule (losses/drift.py)."""
+        from stapoctl.losses.drift import drift
+        from stapoctl.trainer.inert import loss_config
+
+        if result.entropy is None or batch.rollout_log_probs is None:
+            return None
+        view = loss_view(batch, self.conf)
+        mini_rows = int(self.conf.learner.ppo_mini_batch_size) * int(self.conf.rollout.n)
+        if getattr(self, "_loss_config", None) is None:  # built once: a preset shadow builds configs
+            self._loss_config = loss_config(self.loss_cfg)
+        return drift(self._loss_config, learner_log_prob=result.old_log_probs,
+                     rollout_log_prob=view.rollout_log_probs, entropy=result.entropy, advantages=view.advantages,
+                     response_mask=view.response_mask, mini_rows=mini_rows)
 
     def sync(self, wait: bool = True) -> dict:
         """Learner → every rollout worker (then a check that each live one holds the weights: a
@@ -172,7 +197,9 @@ class StepRunner:
         mini_rows = int(self.conf.learner.ppo_mini_batch_size) * int(self.conf.rollout.n)
         keep = Path(run_dir) / "diagnostics" / f"step_{step:06d}" if run_dir is not None else None
         args = (loss_view(batch, self.conf), self._last_old, self._last_entropy, self.loss_cfg)
-        kwargs = dict(step=step, mini_rows=mini_rows, decode=self.data.tokenizer.decode, keep_dir=keep, buffer=active())
+        kwargs = dict(step=step, mini_rows=mini_rows, decode=self.data.tokenizer.decode, keep_dir=keep, buffer=active(),
+                      drift=getattr(self, "_last_drift", None), seed=int(OmegaConf.select(self.conf, "trainer.seed",
+                                                                                          default=0) or 0))
         if self._diag_pool is None:
             self._diag_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stapoctl-diagnostics")
         self._diag_jobs.append((step, self._diag_pool.submit(log_step, *args, **kwargs)))
