@@ -67,7 +67,7 @@ def _main_raising(exc: BaseException, monkeypatch, capsys) -> tuple[int, str]:
 
     monkeypatch.setattr(cli, "app", app)
     monkeypatch.setattr(cli, "_AS_PROCESS", False)  # main sets it; restored after the test
-    monkeypatch.setattr(cli.err_console, "file", None)  # the stream capsys captures
+    monkeypatch.setattr(cli.err_console, "_file", None)  # sys.stderr at print time (capsys's); restored to None
     with pytest.raises(SystemExit) as info:
         cli.main()
     captured = capsys.readouterr()

@@ -68,6 +68,9 @@ def _runner(*, buffer=4, factor=1.0, filtered=False):
         def __init__(self):
             self.sent = None
 
+        def wait_weights(self):  # no push in flight: the step's update waits on nothing
+            pass
+
         def call_learners(self, method, batch, *args, **kwargs):
             self.sent = batch
             from stapoctl.learner.step_result import StepResult
