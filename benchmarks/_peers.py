@@ -100,11 +100,17 @@ def trl_structure(conf) -> dict[str, int]:
 def trl_args(conf, rl_steps: int, output_dir: str):
     from trl import GRPOConfig
 
+    return GRPOConfig(**trl_kwargs(conf, rl_steps, output_dir))
+
+
+def trl_kwargs(conf, rl_steps: int, output_dir: str) -> dict:
+    """TRL's `GRPOConfig` arguments for the stapoctl config it is compared with (no TRL needed to
+    read them: tests/test_bench.py checks the mapping where TRL is not installed)."""
     r, lrn, loss = conf.rollout, conf.learner, conf.loss
     st = trl_structure(conf)
     agg = str(loss.get("loss_agg_mode", "token-mean"))
     warmup = int(lrn.warmup_steps or 0)
-    return GRPOConfig(
+    return dict(
         output_dir=output_dir,
         use_cpu=True, bf16=False, fp16=False,  # equal dtype: fp32 on both sides
         per_device_train_batch_size=st["per_device_train_batch_size"],

@@ -11,7 +11,10 @@ sessions (the build is cached by its config hash, so a stale model is never reus
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -76,9 +79,33 @@ def _training_store(shared_home: SimpleNamespace, tmp_path_factory, name: str, c
 _MODULE_SECONDS: dict[str, float] = {}
 
 
+# Every engine start too, wherever its driver runs (this process, a `stapoctl train` child, a Ray
+# or SLURM job): STAPOCTL_TEST_ENGINE_LOG names a file that `EngineLaunch.ready` appends its
+# `engines.info` to (stapoctl/trainer/engine_log.py); set here for the whole session, so child
+# processes inherit it and jobs/ forwards it. `<log>.current` holds the running test's node id.
+_ENGINE_LOG = Path(tempfile.mkdtemp(prefix="stapoctl-engine-log-")) / "starts.jsonl"
+os.environ["STAPOCTL_TEST_ENGINE_LOG"] = str(_ENGINE_LOG)
+_PHASES = ("ray_s", "vllm_init_s", "learner_setup_s", "engines_s")
+
+
+def pytest_runtest_logstart(nodeid, location) -> None:
+    Path(f"{_ENGINE_LOG}.current").write_text(nodeid)
+
+
 def pytest_runtest_logreport(report) -> None:
     module = report.nodeid.split("::", 1)[0]
     _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + float(report.duration or 0.0)
+
+
+def engine_starts(log: Path = _ENGINE_LOG) -> list[dict]:
+    """The starts the hook recorded; a line torn by a killed driver is skipped."""
+    starts = []
+    for line in (log.read_text().splitlines() if log.is_file() else []):
+        try:
+            starts.append(json.loads(line))
+        except ValueError:
+            pass
+    return starts
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -88,3 +115,17 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.section(f"time per test module ({total:.0f} s in tests)")
     for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:25]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:4.1f}%  {module}")
+    starts = engine_starts()
+    terminalreporter.section("engine starts (this process, subprocesses, Ray and SLURM jobs)")
+    if starts:
+        terminalreporter.write_line(" ".join(f"{p:>15}" for p in _PHASES) + "      pid  module")
+    for s in sorted(starts, key=lambda s: s.get("time", 0.0)):
+        phases = " ".join(f"{float(s.get(p, 0.0)):15.1f}" for p in _PHASES)
+        where = "this process" if s.get("pid") == os.getpid() else "child"
+        terminalreporter.write_line(f"{phases} {s.get('pid', 0):>8}  {s.get('module') or '?'} ({where})")
+    seconds = sum(float(s.get("engines_s", 0.0)) for s in starts)
+    terminalreporter.write_line(f"{len(starts)} engine starts, {seconds:.0f} s")
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(_ENGINE_LOG.parent, ignore_errors=True)

@@ -292,14 +292,3 @@ def test_bad_input_exits_2_with_one_line_and_leaves_nothing(argv, expected, file
 
     assert not ray.is_initialized(), "Ray was started before the input was checked"
 
-
-def test_table_covers_the_issue_list():
-    """The rows issue 13 names are all here (by id), so none is dropped by accident."""
-    ids = {row[0] for row in ROWS}
-    for needed in ("tau_p_above_1", "tau_h_above_1", "clip_low_above_high", "clip_low_negative", "lr_zero",
-                   "batch_not_divisible", "n_below_2", "total_steps_zero", "response_over_context",
-                   "cpus_do_not_fit", "model_missing", "model_not_causal_lm", "model_without_tokenizer",
-                   "model_without_chat_template", "dataset_missing", "dataset_empty", "dataset_not_utf8",
-                   "dataset_wrong_columns", "eval_unknown_bench", "resume_nothing", "resume_other_experiment",
-                   "gpus_on_cpu_machine"):
-        assert needed in ids, needed

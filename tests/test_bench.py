@@ -100,15 +100,28 @@ def test_trl_follows_stapoctls_batch_structure(overrides, expect):
 
 
 def test_trl_config_matches_the_stapoctl_config_it_is_compared_with(tmp_path):
+    """The stapoctl side of the mapping, without TRL (CI does not install the bench extra)."""
+    conf = _peers.compose(["loss=dapo", "learner.ppo_mini_batch_size=2", "learner.micro_batch_size=8"])
+    args = _peers.trl_kwargs(conf, rl_steps=6, output_dir=str(tmp_path))
+    assert (args["bf16"], args["fp16"], args["use_cpu"], args["beta"]) == (False, False, True, 0.0)
+    assert args["loss_type"] == "dapo" and args["epsilon"] == 0.2 and args["epsilon_high"] == 0.28
+    assert args["learning_rate"] == conf.learner.lr and args["num_generations"] == conf.rollout.n
+    assert args["max_completion_length"] == conf.rollout.max_response_length and args["top_k"] == 0
+    # TRL's generation batch: steps_per_generation micro-batches = one stapoctl rollout (8 prompts x n)
+    rows = args["per_device_train_batch_size"] * args["steps_per_generation"]
+    assert rows == conf.data.train_batch_size * conf.rollout.n
+    assert args["max_steps"] == 6 * 4 and not args["shuffle_dataset"]
+    assert args["lr_scheduler_type"] == "constant" and args["warmup_steps"] == 0
+    assert _peers.trl_kwargs(_peers.compose(["loss.loss_agg_mode=seq-mean-token-mean"]), 1, "o")["loss_type"] == "grpo"
+
+
+def test_trl_takes_every_argument_of_the_mapping(tmp_path):
+    """Where the bench extra is installed: TRL's own config accepts the mapping and derives the
+    generation batch from it."""
     pytest.importorskip("trl")
     conf = _peers.compose(["loss=dapo", "learner.ppo_mini_batch_size=2", "learner.micro_batch_size=8"])
     args = _peers.trl_args(conf, rl_steps=6, output_dir=str(tmp_path))
-    assert (args.bf16, args.fp16, args.use_cpu, args.beta) == (False, False, True, 0.0)
-    assert args.loss_type == "dapo" and args.epsilon == 0.2 and args.epsilon_high == 0.28
-    assert args.learning_rate == conf.learner.lr and args.num_generations == conf.rollout.n
-    assert args.max_completion_length == conf.rollout.max_response_length and args.top_k == 0
     assert args.generation_batch_size == conf.data.train_batch_size * conf.rollout.n
-    assert args.max_steps == 6 * 4 and not args.shuffle_dataset
     assert getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type) == "constant"
 
 

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -275,8 +276,10 @@ def test_doctor_fails_on_one_row_when_mlflow_is_down(tp2_mlflow_down):
     assert "does not answer" in failed[0].detail and "tracking.uri" in failed[0].fix
 
 
-def test_doctor_fails_on_one_row_when_the_model_dir_is_missing(shared_home, tmp_path):
-    res = doctor(shared_home, "model.path=/nonexistent", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", "--json")
+def test_doctor_fails_on_one_row_when_the_model_dir_is_missing(tmp_path):
+    # no engine starts without a model, so no tiny model is needed either (a home of its own: seconds)
+    res = doctor(SimpleNamespace(home=tmp_path / "home", overrides=[]), "model.path=/nonexistent",
+                 f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", "--json")
     failed, by_check = fail_rows(res)
     assert res.returncode == 1, res.stderr[-3000:]
     assert [r.check for r in failed] == ["model + tokenizer"], failed
@@ -294,6 +297,7 @@ def _slurm_here() -> bool:
     return out.returncode == 0 and bool(out.stdout.strip())
 
 
+@pytest.mark.e2e  # a real SLURM job
 @pytest.mark.skipif(not _slurm_here() and os.environ.get("STAPOCTL_REQUIRE_SLURM") != "1",
                     reason="no SLURM here; start one with cluster/local-slurm/start.sh")
 def test_doctor_as_a_slurm_job_brings_its_table_back(shared_home, tmp_path):

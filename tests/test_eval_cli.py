@@ -88,9 +88,11 @@ def test_numbers_are_what_the_jsonl_verdicts_give(runs):
         assert r[f"avg@{K}"] == pytest.approx(sum(per_problem) / 4)
         assert r[f"pass@{K}"] == pytest.approx(sum(p > 0 for p in per_problem) / 4)
         gen = [x for x in recs if not x["skipped"]]
-        if gen:
-            assert r["response_length"] == pytest.approx(sum(x["length"] for x in gen) / len(gen))
-            assert r["truncation_rate"] == pytest.approx(sum(x["truncated"] for x in gen) / len(gen))
+        # every bench has prompts that fit the tiny context (3 or 4 of the first 4 of each paper bench),
+        # so the checks below always have generated responses to check
+        assert gen, f"{r['bench']} ({r['decoding']}): every prompt skipped, no verdict left to check"
+        assert r["response_length"] == pytest.approx(sum(x["length"] for x in gen) / len(gen))
+        assert r["truncation_rate"] == pytest.approx(sum(x["truncated"] for x in gen) / len(gen))
         for x in gen:  # every verdict is the rule verifier's on the stored response
             assert x["extracted"] == extract_answer(x["response"])
             assert x["answer_kind"] in ("scalar", "multiset", "tuple")  # data prep's, carried to the judge

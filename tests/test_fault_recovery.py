@@ -85,15 +85,19 @@ def flat(text: str) -> str:
 
 
 def journal(run_dir: Path) -> list[dict]:
+    """The run's journal records. Only the last line may be torn (a write under way while a watch
+    reads it); a torn line anywhere else is a record the journal lost, and fails the test."""
     path = run_dir / "mlflow_journal.jsonl"
     if not path.is_file():
         return []
+    lines = path.read_text().splitlines()
     out = []
-    for line in path.read_text().splitlines():
+    for i, line in enumerate(lines):
         try:
             out.append(json.loads(line))
         except ValueError:
-            pass
+            if i < len(lines) - 1:
+                pytest.fail(f"{path}: line {i + 1} of {len(lines)} is torn: {line[:200]!r}")
     return out
 
 

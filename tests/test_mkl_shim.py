@@ -85,6 +85,7 @@ def test_without_a_compiler_auto_skips_and_on_says_what_to_do(tmp_path, monkeypa
         mkl_shim.preload_env()
 
 
+@pytest.mark.engine  # a local Ray instance
 @pytest.mark.skipif(not (AMD and HAS_CC), reason="the shim applies to AMD CPUs and needs a C compiler")
 def test_ray_actors_of_a_local_instance_run_with_the_shim():
     """Ray starts actor processes with their runtime env's variables, LD_PRELOAD included."""

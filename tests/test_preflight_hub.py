@@ -110,8 +110,11 @@ def test_silent_hub_is_given_up_after_the_probe_limit(hf_home, monkeypatch):
 def test_reachable_hub_lets_the_download_happen(hf_home, monkeypatch):
     from huggingface_hub import constants
 
+    asked: list[tuple[str, str]] = []
+
     class Answer(http.server.BaseHTTPRequestHandler):
         def do_HEAD(self):
+            asked.append((self.command, self.path))
             self.send_response(404)  # any answer means reachable
             self.end_headers()
 
@@ -125,6 +128,7 @@ def test_reachable_hub_lets_the_download_happen(hf_home, monkeypatch):
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
         hub.check_hub_model(MODEL, "model.path")
+        assert asked == [("HEAD", "/")]  # the probe reached this server (and asked once)
     finally:
         server.shutdown()
 

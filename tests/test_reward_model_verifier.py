@@ -9,6 +9,7 @@ here says anything about verdict quality; CompassVerifier-3B on a GPU is the rea
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -84,12 +85,40 @@ def test_verifier_engine_plumbing_with_random_tiny_model(tmp_path):
         long_response = "step " * 2000 + "\\boxed{5}"
         ids = mv.render("What is 2+3?", "5", long_response)
         assert len(ids) <= 512 - 4  # fitted to the judge's context, answer end kept
-        raw = mv.judge(["What is 2+3?"] * 2, ["5", "5"], ["\\boxed{5}", "\\boxed{6}"])
-        assert len(raw) == 2 and all(v in (True, False, None) for v in raw)
-        rewards, stats = pool.score(["\\boxed{5}", "\\boxed{6}"], ["5", "5"], questions=["q", "q"])
-        assert len(rewards) == 2 and set(rewards) <= {1.0, -1.0}
-        assert mv.calls == 4  # mode=all: both responses of the scored batch went to the judge too
+        engine, mv.worker = mv.worker, _Recording(mv.worker)
+        questions, refs, responses = ["What is 2+3?"] * 2, ["5", "5"], ["\\boxed{5}", "\\boxed{6}"]
+        raw = mv.judge(questions, refs, responses)
+        # the engine was asked the rendered prompts, greedily, for at most max_tokens; the verdicts are its answers
+        (prompts, kw), texts = mv.worker.asked[0], mv.worker.texts[0]
+        assert prompts == [mv.render(q, r, y) for q, r, y in zip(questions, refs, responses)]
+        assert kw["temperature"] == 0.0 and kw["max_tokens"] == 4 and kw["n"] == 1
+        assert raw == [parse_verdict(t) for t in texts]
+        rewards, stats = pool.score(responses, refs, questions=["q", "q"])
+        (asked, _), judged = mv.worker.asked[1], [parse_verdict(t) for t in mv.worker.texts[1]]
+        assert len(asked) == 2  # mode=all: the rule's acceptance is judged too
+        rule = [True, False]  # \\boxed{5} is 5, \\boxed{6} is not
+        assert rewards == [1.0 if (rule[i] if j is None else j) else -1.0 for i, j in enumerate(judged)], (texts, judged)
+        assert stats["reward/accuracy"] == rewards.count(1.0) / 2
+        assert mv.calls == 4
     finally:
+        if isinstance(pool.model_verifier.worker, _Recording):
+            pool.model_verifier.worker = engine
         pool.close()
         if started:
             shutdown_ray()
+
+
+class _Recording:
+    """The judge's vLLM actor, recording the prompts and arguments of each `generate` and its texts."""
+
+    def __init__(self, worker):
+        self.worker, self.asked, self.texts = worker, [], []
+        self.generate = SimpleNamespace(remote=self._generate)
+
+    def _generate(self, prompts, **kw):
+        import ray
+
+        out = ray.get(self.worker.generate.remote(prompts, **kw))
+        self.asked.append(([list(p) for p in prompts], kw))
+        self.texts.append([samples[0].text for samples in out])
+        return ray.put(out)

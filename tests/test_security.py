@@ -156,6 +156,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.engine  # ~15 s: MLflow's server start (as tests/test_ui_process.py)
 def test_ui_server_listens_on_loopback_only(tmp_path):
     """The real `stapoctl ui` with no --host: its listening socket is 127.0.0.1, not every interface."""
     import psutil

@@ -63,32 +63,59 @@ def test_the_second_run_reused_the_engines(runs):
     assert statuses == {"FINISHED"}
 
 
-def _engine_processes() -> list:
+def _engine_processes() -> set[int]:
+    """The engine actors in this test's own process tree: a Ray started here runs under pytest,
+    and another suite's engines on this machine are none of this test's business."""
     import psutil
 
-    out = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if "ray::RolloutWorker" in cmd or "ray::Learner" in cmd:
-            out.append(proc)
+    out = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(proc.cmdline())
+            if proc.status() != psutil.STATUS_ZOMBIE and ("ray::RolloutWorker" in cmd or "ray::Learner" in cmd):
+                out.add(proc.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _alive(pids: set[int]) -> set[int]:
+    import psutil
+
+    out = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.add(pid)
+        except psutil.Error:
+            pass
     return out
 
 
 def test_a_refusal_after_the_engines_started_leaves_nothing_running(training_store, monkeypatch):
     """`train` starts Ray and the engine actors before it reads its data (so that set-up overlaps
-    their start-up); a refusal there is still the one-line error, and what was started is gone."""
+    their start-up); a refusal there is still the one-line error, and what was started is gone:
+    the actor processes it started (found in this process's tree while they ran, so one that
+    outlives its Ray and leaves the tree is still caught)."""
+    import time
+
     import ray
 
     from stapoctl.errors import UserError
     from stapoctl.trainer import engines
     from stapoctl.trainer.driver import train
 
-    launched = []
+    launched, started = [], set()
     real = engines.launch_engines
+    before = _engine_processes()
 
     def spy(*args, **kwargs):
         launch = real(*args, **kwargs)
         launched.append(len(launch.workers) + len(launch.learners))
+        deadline = time.monotonic() + 60
+        while len(_engine_processes() - before) < launched[-1] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        started.update(_engine_processes() - before)
         return launch
 
     monkeypatch.setattr(engines, "launch_engines", spy)
@@ -97,5 +124,7 @@ def test_a_refusal_after_the_engines_started_leaves_nothing_running(training_sto
         with pytest.raises(UserError, match=r"data.max_prompt_length=1 tokens: raise it"):
             train(t.conf(["data.max_prompt_length=1"]), console=t.console)
     assert launched == [2], "the actors were not started before the data was read: nothing was tested"
+    assert len(started) == 2, f"the two actor processes were not found in this test's process tree: {started}"
+    assert _alive(started) == set(), "actor processes outlived the refusal"
+    assert _engine_processes() <= before
     assert ray.is_initialized() == was_up  # the Ray it started is stopped
-    assert _engine_processes() == []

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from stapoctl.launch.import_gc import paused_gc
 
 
@@ -120,6 +122,7 @@ def test_rollout_env_turns_dynamo_off_only_for_an_eager_cpu_engine():
     assert cpu["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and cpu["OMP_NUM_THREADS"] == "2"
 
 
+@pytest.mark.engine  # a local Ray instance
 def test_ray_shutdown_stops_the_monitor_first_and_leaves_nothing_running():
     """A fresh interpreter starts a local Ray: killing its autoscaler monitor leaves the instance
     working (a task still runs), and `shutdown_ray` then leaves no child process behind."""
@@ -171,6 +174,7 @@ print(sys.modules.get("sklearn") is not None, is_sklearn_available())
     assert runs[True] == ["False", "False"]
 
 
+@pytest.mark.engine  # two local Ray instances
 def test_local_ray_starts_no_idle_workers_and_tasks_still_run():
     """Ray prestarts one idle worker per CPU for the first driver; no engine actor can use them
     (each has its own runtime env), so `ensure_ray` turns that off. Counted in a fresh
@@ -203,6 +207,7 @@ print(n)
     assert counts == {"ours": 0, "plain": 2}
 
 
+@pytest.mark.engine  # the session's tiny model (`shared_home`: its build is minutes)
 def test_composing_and_checking_a_training_config_imports_no_torch(shared_home):
     # `stapoctl train` imports torch on a driver thread while Ray starts (~1 s of the start-up):
     # nothing before ray.init may import it for a CPU run

@@ -33,20 +33,18 @@ from stapoctl.tracking import keys
 PILOT = {"grpo": [0.50, 0.52, 0.54], "wapo": [0.52, 0.54, 0.56], "stapo": [0.60, 0.62, 0.64]}
 
 
-def t_power(n: int, d: float, alpha: float) -> float:
-    """Two-sample two-sided t-test power, written out here from the noncentral t."""
-    from scipy import stats
-
-    df, ncp = 2 * n - 2, d * math.sqrt(n / 2)
-    crit = stats.t.ppf(1 - alpha / 2, df)
-    return float(stats.nct.sf(crit, df, ncp) + stats.nct.cdf(-crit, df, ncp))
-
-
 def test_the_hand_numbers_of_the_docstring():
-    assert t_power(16, 1.0, 0.05) < 0.8 <= t_power(17, 1.0, 0.05)
-    assert t_power(20, 1.0, 0.025) < 0.8 <= t_power(21, 1.0, 0.025)
-    assert t_power(2, 5.0, 0.05) < 0.8 <= t_power(3, 5.0, 0.05)
-    assert t_power(5, 2.0, 0.05) < 0.8 <= t_power(6, 2.0, 0.05)
+    """The project's own power function against the docstring's numbers (Cohen's table: d = 1 at
+    α 0.05 needs 17 per group; a paired test of d = 1 needs 10 pairs, G*Power's 0.803)."""
+    from stapoctl.analysis.statistics import power
+
+    assert power(16, 1.0, alpha=0.05) < 0.8 <= power(17, 1.0, alpha=0.05)
+    assert power(20, 1.0, alpha=0.025) == pytest.approx(0.793, abs=1e-3)
+    assert power(21, 1.0, alpha=0.025) == pytest.approx(0.815, abs=1e-3)
+    assert power(2, 5.0, alpha=0.05) < 0.8 <= power(3, 5.0, alpha=0.05)
+    assert power(5, 2.0, alpha=0.05) == pytest.approx(0.791, abs=1e-3)
+    assert power(6, 2.0, alpha=0.05) == pytest.approx(0.876, abs=1e-3)
+    assert power(9, 1.0, paired_test=True) < 0.8 < power(10, 1.0, paired_test=True) == pytest.approx(0.803, abs=1e-3)
     assert 2 / math.comb(6, 3) >= 0.05 > 2 / math.comb(8, 4) >= 0.025 > 2 / math.comb(10, 5)
 
 

@@ -1,0 +1,42 @@
+"""A test-only hook: every engine start appended, as one JSON line, to the file that
+`STAPOCTL_TEST_ENGINE_LOG` names (tests/conftest.py sets it for the whole session and prints the
+starts after the run). `EngineLaunch.ready` calls `record_start` in whichever process is the
+driver: pytest itself, a `stapoctl train` child, a Ray job or a SLURM job (`jobs/` forward the
+variable), so starts outside the pytest process are counted too.
+
+The test that was running when the engines started is read from `<log>.current` (conftest
+writes the running test's node id there). Unset, the hook does nothing: no file is opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Optional
+
+TEST_ENGINE_LOG = "STAPOCTL_TEST_ENGINE_LOG"
+
+
+def forwarded() -> dict[str, str]:
+    """The hook's variable for a job's environment where it is set ({} otherwise)."""
+    return {TEST_ENGINE_LOG: os.environ[TEST_ENGINE_LOG]} if os.environ.get(TEST_ENGINE_LOG) else {}
+
+
+def record_start(info: dict, log: Optional[str] = None) -> None:
+    """Append `info` (an `Engines.info`) + pid, time and the running test to the hook's file."""
+    path = log or os.environ.get(TEST_ENGINE_LOG)
+    if not path:
+        return
+    test = ""
+    try:
+        with open(f"{path}.current", encoding="utf-8") as fh:
+            test = fh.read().strip()
+    except OSError:
+        pass
+    line = {**info, "pid": os.getpid(), "time": time.time(), "test": test, "module": test.split("::", 1)[0]}
+    try:
+        with open(path, "a", encoding="utf-8") as fh:  # one short write: lines of concurrent drivers stay whole
+            fh.write(json.dumps(line, default=str) + "\n")
+    except OSError:
+        pass  # a measurement only: never fails a run
