@@ -117,10 +117,14 @@ def _check_cross_fields(conf: DictConfig) -> None:
         check_context(conf, int(conf.model.tiny.max_position_embeddings), "model.tiny.max_position_embeddings")
 
 
+# one network interface by name (NCCL's `^lo,docker0` / prefix patterns are not: gloo takes none of them)
+PLAIN_IFNAME = re.compile(r"[A-Za-z0-9_.:@-]+")
+
+
 def _check_engine_timeouts_and_network(conf: DictConfig) -> None:
     r, lrn = conf.rollout, conf.learner
     ifname = conf.cluster.get("socket_ifname")
-    if ifname and not re.fullmatch(r"[A-Za-z0-9_.:@-]+", str(ifname)):
+    if ifname and not PLAIN_IFNAME.fullmatch(str(ifname)):
         raise UserError(f"cluster.socket_ifname={ifname}: name one network interface (e.g. ib0, eth1); it sets both "
                         "NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, and gloo takes no NCCL pattern (^…, lists): "
                         "export NCCL_SOCKET_IFNAME yourself for those")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -74,13 +73,11 @@ def check_gpus(conf: DictConfig) -> Row:
 
 
 # -- the all-reduce ------------------------------------------------------------------------------
-PLAIN_IFNAME = re.compile(r"[A-Za-z0-9_.:@-]+")
-
-
 def rendezvous_address(conf: Any = None) -> tuple[str, dict[str, str]]:
     """Where the doctor's ranks meet, and their interface variables: the address of
     `cluster.socket_ifname` (what NCCL and gloo bind in a multi-node run), else 127.0.0.1 — a node
     whose multi-node interface is not named is checked on loopback only, and the row says so."""
+    from stapoctl.config.validate import PLAIN_IFNAME
     from stapoctl.launch.ray_runtime import interface_env
 
     env = interface_env(getattr(conf, "cluster", None))

@@ -153,11 +153,11 @@ def _learner(conf: DictConfig, shape: dict) -> RoleMemory:
 
 
 def _transport(conf: DictConfig) -> str:
+    from stapoctl.config.validate import asks_gpus
     from stapoctl.sync.transports import choose_method
 
-    on_gpu = float(conf.rollout.gpus_per_worker or 0) > 0 or float(conf.learner.gpus_per_rank or 0) > 0
     try:
-        return choose_method(str(conf.rollout.weight_sync), on_gpu=on_gpu, placement=str(conf.learner.placement))
+        return choose_method(str(conf.rollout.weight_sync), on_gpu=asks_gpus(conf), placement=str(conf.learner.placement))
     except Exception:  # refused elsewhere (validate), with its own line
         return ""
 
