@@ -81,7 +81,7 @@ _MODULE_SECONDS: dict[str, float] = {}
 
 # Every engine start too, wherever its driver runs (this process, a `stapoctl train` child, a Ray
 # or SLURM job): STAPOCTL_TEST_ENGINE_LOG names a file that `EngineLaunch.ready` appends its
-# `engines.info` to (stapoctl/trainer/engine_log.py); set here for the whole session, so child
+# `engines.info` to (stapoctl/launch/engine_log.py); set here for the whole session, so child
 # processes inherit it and jobs/ forwards it. `<log>.current` holds the running test's node id.
 _ENGINE_LOG = Path(tempfile.mkdtemp(prefix="stapoctl-engine-log-")) / "starts.jsonl"
 os.environ["STAPOCTL_TEST_ENGINE_LOG"] = str(_ENGINE_LOG)
@@ -95,6 +95,22 @@ def pytest_runtest_logstart(nodeid, location) -> None:
 def pytest_runtest_logreport(report) -> None:
     module = report.nodeid.split("::", 1)[0]
     _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + float(report.duration or 0.0)
+
+
+def count_engine_start(t0: float, workers=(), setup_refs=()) -> None:
+    """A module fixture's hand-built actors (vLLM workers, learner ranks) counted in the table
+    beside the starts `EngineLaunch.ready`, eval and the judge record themselves."""
+    import time
+
+    import ray
+
+    from stapoctl.launch import engine_log
+
+    worker_info = ray.get([w.info.remote() for w in workers])
+    learner_info = ray.get(list(setup_refs))
+    engine_log.record_start({"ray_s": 0.0, "vllm_init_s": max([w["init_s"] for w in worker_info], default=0.0),
+                             "learner_setup_s": max([x["setup_s"] for x in learner_info], default=0.0),
+                             "engines_s": time.perf_counter() - t0}, kind="fixture")
 
 
 def engine_starts(log: Path = _ENGINE_LOG) -> list[dict]:
@@ -118,11 +134,12 @@ def pytest_terminal_summary(terminalreporter) -> None:
     starts = engine_starts()
     terminalreporter.section("engine starts (this process, subprocesses, Ray and SLURM jobs)")
     if starts:
-        terminalreporter.write_line(" ".join(f"{p:>15}" for p in _PHASES) + "      pid  module")
+        terminalreporter.write_line(" ".join(f"{p:>15}" for p in _PHASES) + "  kind          pid  module")
     for s in sorted(starts, key=lambda s: s.get("time", 0.0)):
         phases = " ".join(f"{float(s.get(p, 0.0)):15.1f}" for p in _PHASES)
         where = "this process" if s.get("pid") == os.getpid() else "child"
-        terminalreporter.write_line(f"{phases} {s.get('pid', 0):>8}  {s.get('module') or '?'} ({where})")
+        terminalreporter.write_line(f"{phases}  {s.get('kind', 'train'):<8} {s.get('pid', 0):>8}  "
+                                    f"{s.get('module') or '?'} ({where})")
     seconds = sum(float(s.get("engines_s", 0.0)) for s in starts)
     terminalreporter.write_line(f"{len(starts)} engine starts, {seconds:.0f} s")
 

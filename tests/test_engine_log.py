@@ -1,4 +1,4 @@
-"""The test-only engine-start hook (stapoctl/trainer/engine_log.py): one JSON line per start in the
+"""The test-only engine-start hook (stapoctl/launch/engine_log.py): one JSON line per start in the
 file STAPOCTL_TEST_ENGINE_LOG names, written by `EngineLaunch.ready` and forwarded to jobs;
 nothing at all when the variable is unset. No engines: the actors are stand-ins."""
 
@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
-from stapoctl.trainer import engine_log
+from stapoctl.launch import engine_log
 
 INFO = {"ray_s": 0.4, "vllm_init_s": 3.1, "learner_setup_s": 2.2, "engines_s": 4.5, "sync_method": "object_store",
         "nodes": {"rollout": ["n1"], "learner": ["n1"]}}

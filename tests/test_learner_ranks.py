@@ -10,9 +10,11 @@ must start from the base weights with a fresh optimizer.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
-
+from conftest import count_engine_start
 from test_learner import EPS, LR, N, WD, fixed_batch, reference_updates
 
 pytestmark = pytest.mark.engine
@@ -49,8 +51,10 @@ def groups(tmp_path_factory):
     ensure_ray(None)
     made = {}
     for ranks in (1, 2):
-        made[ranks], _ = make_learner_group(model_dir, learner_cfg(0, ranks), loss_cfg("grpo"), n_per_prompt=N,
-                                            temperature=1.0, dtype="float32", seed=0)
+        t0 = time.perf_counter()
+        made[ranks], setup_refs = make_learner_group(model_dir, learner_cfg(0, ranks), loss_cfg("grpo"), n_per_prompt=N,
+                                                     temperature=1.0, dtype="float32", seed=0)
+        count_engine_start(t0, (), setup_refs)
     yield {"dir": model_dir, **made}
     for handles in (made[1], made[2]):
         ray.get([h.shutdown.remote() for h in handles])

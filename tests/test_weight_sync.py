@@ -8,8 +8,11 @@ vLLM's log-probs of fixed sequences before/after a sync, and the training canary
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+from conftest import count_engine_start
 
 pytestmark = pytest.mark.engine
 
@@ -31,15 +34,17 @@ def engines(tmp_path_factory):
 
     model_dir = str(build_random(tmp_path_factory.mktemp("tiny_random"), TinyModelConfig(), seed=0))
     was_up = ray.is_initialized()
+    t0 = time.perf_counter()
     ensure_ray(None)
     worker = make_rollout_worker(EngineSpec(model_path=model_dir, max_model_len=256), num_cpus=1)
     learner_cfg = dict(zero_stage=0, lr=1e-3, betas=[0.9, 0.999], weight_decay=0.0, adam_eps=1e-8,
                        warmup_steps=0, grad_clip=1.0, ppo_mini_batch_size=4, micro_batch_size=16,
                        ppo_epochs=1, logits_chunk_size=64, cpus=1, num_gpus=0)
     loss_cfg = {"name": "grpo", **vars(LOSSES["grpo"].config_cls())}
-    learners, _ = make_learner_group(model_dir, learner_cfg, loss_cfg, n_per_prompt=N, temperature=1.0,
+    learners, setup_refs = make_learner_group(model_dir, learner_cfg, loss_cfg, n_per_prompt=N, temperature=1.0,
                                      dtype="float32", seed=0)
     info = ray.get(worker.info.remote())
+    count_engine_start(t0, [worker], setup_refs)
     sync = WeightSync(learners, [worker], "object_store")
     yield {"worker": worker, "learner": learners[0], "sync": sync, "pad": info["pad_token_id"], "dir": model_dir}
     ray.get(worker.shutdown.remote())

@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from conftest import count_engine_start
 from test_weight_sync import fixed_sequences
 from test_weight_sync import masked_max_diff as max_diff
 
@@ -46,6 +47,7 @@ def linked(tmp_path_factory):
     mp.setenv("STAPOCTL_TEST_SYNC_DELAY_S", str(DELAY_S))  # into the actors' environment (actor_env)
     model_dir = str(build_random(tmp_path_factory.mktemp("tiny_random_gloo"), TinyModelConfig(), seed=0))
     was_up = ray.is_initialized()
+    t0 = time.perf_counter()
     ensure_ray(None)
     spec = EngineSpec(model_path=model_dir, max_model_len=256, weight_transfer_backend="stapo_gloo", num_threads=1)
     workers = [make_rollout_worker(spec, num_cpus=0.5) for _ in range(2)]
@@ -53,10 +55,10 @@ def linked(tmp_path_factory):
                        warmup_steps=0, grad_clip=1.0, ppo_mini_batch_size=4, micro_batch_size=16,
                        ppo_epochs=1, logits_chunk_size=64, cpus=0.5, num_gpus=0, process_group_timeout_s=PG_TIMEOUT_S)
     loss_cfg = {"name": "grpo", **vars(LOSSES["grpo"].config_cls())}
-    learners, _ = make_learner_group(model_dir, learner_cfg, loss_cfg, n_per_prompt=N, temperature=1.0,
+    learners, setup_refs = make_learner_group(model_dir, learner_cfg, loss_cfg, n_per_prompt=N, temperature=1.0,
                                      dtype="float32", seed=0)
     info = ray.get(workers[0].info.remote())
-    ray.get([w.info.remote() for w in workers])
+    count_engine_start(t0, workers, setup_refs)
     gloo = WeightSync(learners, workers, "gloo", tp_size=1, timeout_s=60)
     store = WeightSync(learners, workers, "object_store")
     yield {"workers": workers, "learner": learners[0], "gloo": gloo, "store": store, "pad": info["pad_token_id"],

@@ -59,16 +59,22 @@ def generate_remaining(conf: Any, jobs: list[dict], model_path: str, max_respons
 
     from stapoctl.launch.ray_runtime import ensure_ray, shutdown_ray
     from stapoctl.rollout.model_verifier import reward_pool
+    from stapoctl.launch import engine_log
 
     t0 = time.perf_counter()
     started_ray = not ray.is_initialized()
     ensure_ray(conf.cluster)
+    t_ray = time.perf_counter() - t0
     workers: list = []
     scorer = None
     try:
         max_model_len = max(job["max_model_len"] for job in jobs if job["todo"])
         with console.status(f"starting {int(conf.rollout.num_workers)} vLLM worker(s) for {escape(str(model_path))}"):
             workers = start_workers(conf, model_path, max_model_len)
+            if engine_log.enabled():  # tests only: the suite's start-up table
+                init_s = max(x["init_s"] for x in ray.get([w.info.remote() for w in workers]))
+                engine_log.record_start({"ray_s": t_ray, "vllm_init_s": init_s, "learner_setup_s": 0.0,
+                                         "engines_s": time.perf_counter() - t0}, kind="eval")
             scorer = reward_pool(conf.reward)
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)

@@ -32,7 +32,7 @@ from rich.console import Console
 from stapoctl import paths
 from stapoctl.config import overrides as ov
 from stapoctl.errors import UserError
-from stapoctl.trainer import engine_log
+from stapoctl.launch import engine_log
 
 UPLOAD_EXCLUDES = [".venv", ".git", "mlruns", "mlartifacts", "*.db", "__pycache__", "*.pyc", ".pytest_cache",
                    "slurm_logs", "outputs", "multirun", ".hypothesis", "*.egg-info", "build", "dist"]
@@ -156,7 +156,7 @@ def job_spec(conf, overrides: list[str], run_name: str, tracking_uri: str,
         root = str(paths.project_root())
         pythonpath = [root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
         env_vars.update(PYTHONPATH=os.pathsep.join(dict.fromkeys(pythonpath)), STAPOCTL_HOME=str(paths.home()))
-        env_vars.update(engine_log.forwarded())  # tests only, this machine's file (trainer/engine_log.py)
+        env_vars.update(engine_log.forwarded())  # tests only, this machine's file (launch/engine_log.py)
         args.append(f"tracking.uri={tracking_uri}")
         python = conf.cluster.python or sys.executable
         runtime_env: dict[str, Any] = {"env_vars": env_vars}

@@ -35,7 +35,7 @@ from stapoctl.config import overrides as ov
 from stapoctl.errors import UserError
 from stapoctl.jobs import presets, records, sbatch
 from stapoctl.launch.ray_runtime import interface_env
-from stapoctl.trainer import engine_log
+from stapoctl.launch import engine_log
 
 # scontrol's job states after which nothing more happens (REQUEUED/COMPLETING/PENDING go on)
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
@@ -152,7 +152,7 @@ def job_environment(tracking_uri: str) -> dict[str, str]:
         # Ray's token authentication stays on and, set explicitly, stops announcing itself
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
         "PYTHONUNBUFFERED": "1",
-        **engine_log.forwarded(),  # tests only: the job's engine start is counted (trainer/engine_log.py)
+        **engine_log.forwarded(),  # tests only: the job's engine start is counted (launch/engine_log.py)
     }
 
 

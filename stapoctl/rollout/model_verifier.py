@@ -12,6 +12,7 @@ prompting, parsing and correction paths are tested, never the quality of the ver
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -63,6 +64,7 @@ class ModelVerifier:
         from stapoctl.launch.ray_runtime import ensure_ray
         from stapoctl.rollout.vllm_engine import EngineSpec
         from stapoctl.rollout.vllm_worker import make_rollout_worker
+        from stapoctl.launch import engine_log
 
         if mode not in ("rescue", "all"):
             from stapoctl.errors import UserError
@@ -74,9 +76,17 @@ class ModelVerifier:
         self.mode = mode
         self.tokenizer = load_tokenizer(model_path)
         self.max_model_len = max_model_len
+        t0 = time.perf_counter()
         ensure_ray(None)
+        t_ray = time.perf_counter() - t0
         spec = EngineSpec(model_path=model_path, max_model_len=max_model_len, dtype=dtype)
         self.worker = make_rollout_worker(spec, num_cpus=num_cpus, num_gpus=num_gpus)
+        if engine_log.enabled():  # tests only (the suite's start-up table): waits for the judge to be up
+            import ray
+
+            init_s = ray.get(self.worker.info.remote())["init_s"]
+            engine_log.record_start({"ray_s": t_ray, "vllm_init_s": init_s, "learner_setup_s": 0.0,
+                                     "engines_s": time.perf_counter() - t0}, kind="judge")
         self.calls = 0
         self.flipped = 0
 

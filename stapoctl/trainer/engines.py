@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from stapoctl.errors import EngineFault, UserError
 from stapoctl.launch.actor_errors import describe_actor_death, user_error_in
-from stapoctl.trainer.engine_log import record_start
+from stapoctl.launch.engine_log import record_start
 from stapoctl.trainer.engine_settings import learner_args, thread_counts
 
 
@@ -304,7 +304,7 @@ class EngineLaunch:
                           worker_pids=[w["pid"] for w in worker_info], max_restarts=rollout_max_restarts(r, self.method),
                           say=say)
         sync.name_actor = engines.actor_label
-        record_start(info)  # tests only (STAPOCTL_TEST_ENGINE_LOG; trainer/engine_log.py)
+        record_start(info)  # tests only (STAPOCTL_TEST_ENGINE_LOG; launch/engine_log.py)
         return engines
 
     def abort(self) -> None:

@@ -4,6 +4,10 @@ starts after the run). `EngineLaunch.ready` calls `record_start` in whichever pr
 driver: pytest itself, a `stapoctl train` child, a Ray job or a SLURM job (`jobs/` forward the
 variable), so starts outside the pytest process are counted too.
 
+Starts that bypass `EngineLaunch.ready` record themselves with a `kind`: `stapoctl eval`'s
+workers ("eval", eval/generation.py), the judge of `reward.model_verifier` ("judge") and the
+test modules that build actors by hand ("fixture", tests/conftest.py `count_engine_start`).
+
 The test that was running when the engines started is read from `<log>.current` (conftest
 writes the running test's node id there). Unset, the hook does nothing: no file is opened.
 """
@@ -23,8 +27,13 @@ def forwarded() -> dict[str, str]:
     return {TEST_ENGINE_LOG: os.environ[TEST_ENGINE_LOG]} if os.environ.get(TEST_ENGINE_LOG) else {}
 
 
-def record_start(info: dict, log: Optional[str] = None) -> None:
-    """Append `info` (an `Engines.info`) + pid, time and the running test to the hook's file."""
+def enabled() -> bool:
+    """Whether the hook is on (callers skip the extra `info` round-trips it needs otherwise)."""
+    return bool(os.environ.get(TEST_ENGINE_LOG))
+
+
+def record_start(info: dict, log: Optional[str] = None, kind: str = "train") -> None:
+    """Append `info` (an `Engines.info`) + its kind, pid, time and the running test to the hook's file."""
     path = log or os.environ.get(TEST_ENGINE_LOG)
     if not path:
         return
@@ -34,7 +43,7 @@ def record_start(info: dict, log: Optional[str] = None) -> None:
             test = fh.read().strip()
     except OSError:
         pass
-    line = {**info, "pid": os.getpid(), "time": time.time(), "test": test, "module": test.split("::", 1)[0]}
+    line = {**info, "kind": kind, "pid": os.getpid(), "time": time.time(), "test": test, "module": test.split("::", 1)[0]}
     try:
         with open(path, "a", encoding="utf-8") as fh:  # one short write: lines of concurrent drivers stay whole
             fh.write(json.dumps(line, default=str) + "\n")
