@@ -20,12 +20,10 @@ EXACT = ("batch/fingerprint", "critic/score/mean", "actor/pg_loss", "actor/entro
 
 
 @pytest.fixture(scope="module")
-def runs(training_store):
+def runs(training_store, engine_pool):
     from stapoctl.trainer.driver import train
-    from stapoctl.trainer.session import EngineSession
-
-    with training_store("async_store", COMMON) as t, EngineSession(t.console) as session:
-        out = {name: train(t.conf(extra), console=t.console, session=session)["run_id"] for name, extra in (
+    with training_store("async_store", COMMON) as t:
+        out = {name: train(t.conf(extra), console=t.console, session=engine_pool)["run_id"] for name, extra in (
             ("sync", []),
             ("async0", ["trainer.mode=async", "trainer.max_staleness=0"]),
             ("async1", ["trainer.mode=async", "trainer.max_staleness=1"]),

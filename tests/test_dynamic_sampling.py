@@ -276,17 +276,16 @@ def _state(run_dir: str, step: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def e2e(training_store):
+def e2e(training_store, engine_pool):
     """Runs on one engine session: full (4 steps, checkpoints at 2 and 4), short (one round a step),
     idle (no group can be right: no update), the resume of `full` from step 2, async on 2 workers."""
     from rich.console import Console
 
     from stapoctl.config.compose import compose_config
     from stapoctl.trainer.driver import train
-    from stapoctl.trainer.session import EngineSession
-
     out: dict = {}
-    with training_store("dynamic_store", E2E) as t, EngineSession(t.console) as session:
+    session = engine_pool
+    with training_store("dynamic_store", E2E) as t:
         def run(name, conf):
             console = Console(width=200, record=True)
             out[name] = train(conf, console=console, session=session)

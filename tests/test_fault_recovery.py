@@ -186,8 +186,9 @@ class Driver:
         return flat(self.log.read_text())
 
 
-def resume_in_process(run_id: str, uri: str, meddle=None) -> dict:
-    """`train(resume=run_id)` in this process while `meddle()` runs in a thread beside it."""
+def resume_in_process(run_id: str, uri: str, session, meddle=None) -> dict:
+    """`train(resume=run_id)` in this process, on the suite's engines (`session`), while `meddle()`
+    runs in a thread beside it."""
     from rich.console import Console
 
     from stapoctl.config.compose import compose_config
@@ -199,7 +200,8 @@ def resume_in_process(run_id: str, uri: str, meddle=None) -> dict:
     thread.start()
     out: dict = {"error": None}
     try:
-        out["summary"] = train(compose_config([f"resume={run_id}", f"tracking.uri={uri}"]), console=console)
+        out["summary"] = train(compose_config([f"resume={run_id}", f"tracking.uri={uri}"]), console=console,
+                               session=session)
     except RunFailed as exc:
         out["error"] = str(exc)
     thread.join(timeout=120)
@@ -209,7 +211,7 @@ def resume_in_process(run_id: str, uri: str, meddle=None) -> dict:
 
 # -- the run ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory, shared_home):
+def chain(tmp_path_factory, shared_home, engine_pool):
     from mlflow import MlflowClient
 
     tmp = tmp_path_factory.mktemp("faults")
@@ -286,7 +288,7 @@ def chain(tmp_path_factory, shared_home):
             if pid:
                 os.kill(pid, signal.SIGKILL)
 
-        out["p3"] = resume_in_process(run_id, server.uri, saboteur)
+        out["p3"] = resume_in_process(run_id, server.uri, engine_pool, saboteur)
         out["p3"].update(events, steps=logged_steps(run_dir))
         out["status_p3"] = MlflowClient(server.uri).get_run(run_id)
         out["timings"]["p3"] = time.monotonic() - t0
@@ -305,13 +307,13 @@ def chain(tmp_path_factory, shared_home):
             outage["restarting_after"] = max(logged_steps(run_dir))
             outage["restart_s"] = server.start()
 
-        out["p4"] = resume_in_process(run_id, server.uri, outage_maker)
+        out["p4"] = resume_in_process(run_id, server.uri, engine_pool, outage_maker)
         out["p4"]["outage"] = outage
         out["timings"]["p4"] = time.monotonic() - t0
 
         # P5: nothing left to do
         t0 = time.monotonic()
-        out["p5"] = resume_in_process(run_id, server.uri)
+        out["p5"] = resume_in_process(run_id, server.uri, engine_pool)
         out["timings"]["p5"] = time.monotonic() - t0
         out["client"] = MlflowClient(server.uri)
         yield out

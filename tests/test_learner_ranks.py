@@ -38,7 +38,7 @@ def loss_cfg(name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def groups(tmp_path_factory):
+def groups(tmp_path_factory, ray_runtime):
     import ray
 
     from stapoctl.config.schema import TinyModelConfig

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 
@@ -21,11 +22,85 @@ P_8B = 8_190_735_360  # the model card's 8.2B
 GIB = 2**30
 
 
-def run_cli(*args: str, home) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "200", "STAPOCTL_HOME": str(home), "HF_HUB_OFFLINE": "1",
-           "HF_HOME": str(home / "hf")}
-    return subprocess.run([sys.executable, "-m", "stapoctl.cli", *args], capture_output=True, text=True,
-                          timeout=180, env=env)
+# `python -m stapoctl.cli ARGS` as a process of its own (argv, environment, exit code, stdout, stderr),
+# forked from one interpreter that has already imported what `plan` imports (torch and DeepSpeed's
+# estimators: ~5 s of each of this module's 13 CLI runs). Nothing of stapoctl, transformers or the
+# hub's settings is imported before the fork, so STAPOCTL_HOME and HF_HOME are read per run as in a
+# fresh process (the server refuses to start otherwise).
+FORK_SERVER = r'''
+import atexit, json, os, runpy, sys
+import deepspeed.runtime.zero.stage3, deepspeed.runtime.zero.stage_1_and_2, hydra, omegaconf, torch  # noqa: F401
+early = sorted(m for m in sys.modules if m.split(".")[0] in ("stapoctl", "transformers") or m == "huggingface_hub.constants")
+assert not early, f"imported before the fork: {early}"
+proto = os.fdopen(os.dup(1), "w", buffering=1)
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.chdir(req["cwd"])
+            os.environ.clear()
+            os.environ.update(req["env"])
+            for fd, path in ((0, os.devnull), (1, req["out"]), (2, req["err"])):
+                f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(f, fd)
+                os.close(f)
+            sys.argv = ["stapoctl", *req["args"]]  # run_module sets [0] to the module's file, as `python -m`
+            runpy.run_module("stapoctl.cli", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:  # as the interpreter ends on one
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    proto.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
+'''
+
+
+@pytest.fixture(scope="module")
+def cli_server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("fork_server")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(home / "hf"), "STAPOCTL_HOME": str(home)}
+    proc = subprocess.Popen([sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
+    yield proc
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+@pytest.fixture()
+def run_cli(cli_server, tmp_path_factory):
+    """run_cli(*args, home=DIR): a CompletedProcess as `subprocess.run` of `python -m stapoctl.cli` gives it."""
+    outputs = tmp_path_factory.mktemp("cli")
+    calls = iter(range(1_000))
+
+    def run(*args: str, home) -> subprocess.CompletedProcess:
+        env = {**os.environ, "COLUMNS": "200", "STAPOCTL_HOME": str(home), "HF_HUB_OFFLINE": "1",
+               "HF_HOME": str(home / "hf")}
+        n = next(calls)
+        out, err = outputs / f"cli-{n}.out", outputs / f"cli-{n}.err"
+        argv = [sys.executable, "-m", "stapoctl.cli", *args]
+        cli_server.stdin.write(json.dumps({"args": list(args), "env": env, "cwd": os.getcwd(), "out": str(out),
+                                           "err": str(err)}) + "\n")
+        cli_server.stdin.flush()
+        ready, _, _ = select.select([cli_server.stdout], [], [], 180)
+        if not ready:
+            cli_server.kill()
+            raise subprocess.TimeoutExpired(argv, 180)
+        reply = cli_server.stdout.readline()
+        assert reply, f"the fork server died (exit {cli_server.poll()})"
+        return subprocess.CompletedProcess(argv, json.loads(reply)["code"], out.read_text(), err.read_text())
+
+    return run
 
 
 def test_parameter_count_of_the_tiny_shape_matches_a_real_qwen3_model():
@@ -122,7 +197,7 @@ def test_shapes_table_answers_with_or_without_the_base_suffix():
     assert known_shape("meta/unknown") is None
 
 
-def test_plan_of_the_8b_experiment_fits_and_the_14b_on_one_gpu_is_refused(tmp_path):
+def test_plan_of_the_8b_experiment_fits_and_the_14b_on_one_gpu_is_refused(run_cli, tmp_path):
     ok = run_cli("plan", "experiment=stapo_qwen3_8b", home=tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert "plan fits" in ok.stdout and "49.58 GiB" in ok.stdout and "KV cache" in ok.stdout
@@ -139,20 +214,20 @@ def test_plan_of_the_8b_experiment_fits_and_the_14b_on_one_gpu_is_refused(tmp_pa
 
 
 @pytest.mark.parametrize("verb", [("train", "--cfg", "job"), ("submit", "--dry-run"), ("sweep", "tau_p", "--dry-run")])
-def test_train_submit_and_sweep_refuse_a_plan_that_cannot_fit(tmp_path, verb):
+def test_train_submit_and_sweep_refuse_a_plan_that_cannot_fit(run_cli, tmp_path, verb):
     res = run_cli(*verb, "experiment=stapo_qwen3_14b", "learner.num_ranks=1", "learner.zero_stage=0", home=tmp_path)
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("error: plan: the learner needs 287.4 GiB per GPU")
 
 
-def test_enforce_false_warns_and_goes_on(tmp_path):
+def test_enforce_false_warns_and_goes_on(run_cli, tmp_path):
     res = run_cli("train", "--cfg", "job", "experiment=stapo_qwen3_14b", "learner.num_ranks=1",
                   "learner.zero_stage=0", "plan.enforce=false", home=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "does not fit: the learner needs 287.4 GiB" in res.stdout
 
 
-def test_disk_and_host_memory_are_planned_here(tmp_path):
+def test_disk_and_host_memory_are_planned_here(run_cli, tmp_path):
     disk = run_cli("plan", "trainer.total_steps=10000000", "trainer.save_freq=1", home=tmp_path)
     assert disk.returncode == 2 and "trainer.keep_checkpoints" in disk.stderr, disk.stderr
     kept = run_cli("plan", "trainer.total_steps=10000000", "trainer.save_freq=1", "trainer.keep_checkpoints=2",
@@ -163,7 +238,7 @@ def test_disk_and_host_memory_are_planned_here(tmp_path):
     assert host.returncode == 2 and "rollout.kv_cache_gb" in host.stderr
 
 
-def test_a_model_whose_shape_is_nowhere_is_one_line(tmp_path):
+def test_a_model_whose_shape_is_nowhere_is_one_line(run_cli, tmp_path):
     res = run_cli("plan", "model.path=SomeOrg/NotAModel-7B", home=tmp_path)
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "cannot size model.path=SomeOrg/NotAModel-7B" in res.stderr
@@ -219,7 +294,7 @@ def test_a_llama_is_counted_exactly_and_a_qwen3_by_the_formula_without_torch():
     assert out.returncode == 0 and int(out.stdout) == P_8B, out.stderr[-2000:]
 
 
-def test_plan_of_a_local_llama_config_counts_its_parameters_exactly(tmp_path):
+def test_plan_of_a_local_llama_config_counts_its_parameters_exactly(run_cli, tmp_path):
     cfg = _tiny_llama()
     model_dir = tmp_path / "llama"
     cfg.save_pretrained(model_dir)  # config.json only, as a download of the config alone leaves it
@@ -232,7 +307,7 @@ def test_plan_of_a_local_llama_config_counts_its_parameters_exactly(tmp_path):
     assert weights * GIB == pytest.approx(178_912 * 4)  # fp32 weights of that count
 
 
-def test_an_architecture_transformers_cannot_build_is_one_line(tmp_path):
+def test_an_architecture_transformers_cannot_build_is_one_line(run_cli, tmp_path):
     model_dir = tmp_path / "odd"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({**TINY, "model_type": "no_such_arch"}))

@@ -15,17 +15,16 @@ COMMON = ["trainer.total_steps=3", "trainer.save_freq=0", "eval.every_n_steps=0"
 
 
 @pytest.fixture(scope="module")
-def runs(training_store):
+def runs(training_store, engine_pool):
     from stapoctl.trainer.driver import train
-    from stapoctl.trainer.session import EngineSession
-
     with training_store("recipes", COMMON) as t:
-        with EngineSession(t.console) as session:  # the two fp32 runs share engines (a reset between)
-            kl = train(t.conf(["loss=grpo", "loss.kl_coef=0.05", "loss.kl_estimator=k3", "loss.entropy_coef=0.001"]),
-                       console=t.console, session=session)
-            tr = train(t.conf(["loss=tr_grpo", "loss.kl_coef=0.001", "trainer.total_steps=2"]),
-                       console=t.console, session=session)
-        bf16 = train(t.conf(["model.dtype=bfloat16", "loss.rollout_correction=token_tis"]), console=t.console)
+        # the two fp32 runs share the suite's engines (a reset between); bf16 needs its own
+        kl = train(t.conf(["loss=grpo", "loss.kl_coef=0.05", "loss.kl_estimator=k3", "loss.entropy_coef=0.001"]),
+                   console=t.console, session=engine_pool)
+        tr = train(t.conf(["loss=tr_grpo", "loss.kl_coef=0.001", "trainer.total_steps=2"]),
+                   console=t.console, session=engine_pool)
+        bf16 = train(t.conf(["model.dtype=bfloat16", "loss.rollout_correction=token_tis"]), console=t.console,
+                     session=engine_pool)
         yield {"kl": kl, "tr": tr, "bf16": bf16, "uri": t.uri, "log": t.console.export_text()}
 
 

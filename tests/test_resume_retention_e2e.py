@@ -1,8 +1,11 @@
-"""Resume × retention on real engines (issue #35's sequence), and an engine failure in one line.
+"""A full disk, resume × retention on real engines (issue #35's sequence), and an engine failure in
+one line: one chain of three `stapoctl train` processes (three engine starts) checks all three.
 
 `stapoctl train … trainer.save_freq=5 trainer.total_steps=15` on a tmpfs that fills at the step-10
-checkpoint (one line, FAILED, step_000005 intact); the space freed; `stapoctl train resume=RUN_DIR
-trainer.keep_checkpoints=1` writes step 10, rotates out what it may, and must still write step 15
+checkpoint: one line (the dir, its free space, the step, the resume command), the MLflow run FAILED
+with it, step_000005 intact and the partial step 10 gone. The space freed (`mount -o remount`), the
+printed resume command run as it stands, with `trainer.keep_checkpoints=1` added, writes step 10,
+rotates out what it may, and must still write step 15
 (its save copied the tokenizer from the rotated-out step_000005/model: 93 lines of traceback) and end
 FINISHED. Then the run's tokenizer copy is broken and the run extended by a step: the learner's
 save raises inside its actor, and the user sees one line naming it, its stack kept in the run's
@@ -33,9 +36,11 @@ mount -t tmpfs -o size="$SMALL" none "$MNT" || exit 90
 "$PY" -m stapoctl.cli train "$@" trainer.output_dir="$MNT/run" >"$OUT/fail.out" 2>"$OUT/fail.err"
 echo $? >"$OUT/fail.rc"
 ls "$MNT/run/checkpoints" >"$OUT/fail.ls"
+cp -a "$MNT/run" "$OUT/after_fail" && cp "$DB" "$OUT/after_fail.db"
 mount -o remount,size="$BIG" none "$MNT" || exit 91
-"$PY" -m stapoctl.cli train resume="$MNT/run" trainer.keep_checkpoints=1 tracking.uri="$URI" \
-    >"$OUT/resume.out" 2>"$OUT/resume.err"
+cmd=$(sed -n 's/.*`\(stapoctl train resume=[^`]*\)`.*/\1/p' "$OUT/fail.err" | head -n 1)
+[ -n "$cmd" ] || exit 92
+eval "\"\$PY\" -m stapoctl.cli ${cmd#stapoctl } trainer.keep_checkpoints=1" >"$OUT/resume.out" 2>"$OUT/resume.err"
 echo $? >"$OUT/resume.rc"
 ls "$MNT/run/checkpoints" >"$OUT/resume.ls"
 cp "$DB" "$OUT/resume.db"
@@ -70,11 +75,43 @@ def sequence(tmp_path_factory, shared_home):
                          capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, f"script exit {res.returncode}: {res.stderr[-3000:]}"
     text = {p.name: p.read_text() for p in out.iterdir() if p.is_file() and p.suffix != ".db"}
-    return {"store": f"sqlite:///{db}", "resume_store": f"sqlite:///{out / 'resume.db'}", "mnt": str(mnt), **text}
+    return {"store": f"sqlite:///{db}", "resume_store": f"sqlite:///{out / 'resume.db'}", "mnt": str(mnt),
+            "kept": out, **text}
 
 
 def _said(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.strip() and not _LOG_LINE.match(line)]
+
+
+@pytest.mark.e2e
+def test_a_full_disk_ends_in_one_line_failed_and_the_printed_resume_continues(sequence):
+    """(Was tests/test_disk_full.py's own chain of two engine starts.)"""
+    from mlflow import MlflowClient
+
+    from stapoctl import checkpoint
+
+    kept, out, err = sequence["kept"], sequence["fail.out"], sequence["fail.err"]
+    assert sequence["fail.rc"].strip() == "1", out[-3000:] + err[-3000:]
+    assert "Traceback" not in out + err
+    said = _said(err)
+    assert len(said) == 1, said
+    line = said[0]
+    assert line.startswith("failed: disk full: the step-10 checkpoint could not be written to "
+                           f"{sequence['mnt']}/run/checkpoints (No space left on device; "), line
+    assert re.search(r"; \d+(\.\d)? [kM]?B free there, step_000005 took \d+\.\d MB\)", line), line
+    run_id = re.search(r"`stapoctl train resume=([0-9a-f]{32}) tracking\.uri=sqlite:///\S+`$", line).group(1)
+    # the run is FAILED with that line; step 5 is whole, step 10's partial write is gone
+    run = MlflowClient(f"sqlite:///{kept / 'after_fail.db'}").get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["stapoctl.error"] == line.removeprefix("failed: ")
+    failed = kept / "after_fail"
+    assert [p.name for p in checkpoint.step_dirs(failed)] == ["step_000005"]
+    assert checkpoint.verify(failed / "checkpoints" / "step_000005", checksums=True) is None
+    assert not checkpoint.partial_writes(failed)
+    # the printed command, once there is room: continues from step 5
+    assert sequence["resume.rc"].strip() == "0", sequence["resume.out"][-3000:] + sequence["resume.err"][-3000:]
+    assert re.search(r"resuming from \S+/checkpoints/step_000005 \(step 5, MLflow run " + run_id,
+                     " ".join(sequence["resume.out"].split()))
 
 
 @pytest.mark.e2e
@@ -128,12 +165,11 @@ SAME = ["trainer.save_freq=2", "eval.every_n_steps=0", "trainer.val_before_train
 
 
 @pytest.fixture(scope="module")
-def straight_and_resumed(training_store):
+def straight_and_resumed(training_store, engine_pool):
     """A: 6 steps straight. B: 2 steps, then resumed to 6 with keep_checkpoints=1 (engines shared)."""
     from stapoctl.trainer.driver import train
-    from stapoctl.trainer.session import EngineSession
-
-    with training_store("resume_retention", SAME) as t, EngineSession(t.console) as session:
+    session = engine_pool  # the resume too runs on the engines as they run: its weights are pushed
+    with training_store("resume_retention", SAME) as t:
         a = train(t.conf([f"trainer.total_steps={STEPS}"]), console=t.console, session=session)
         b = train(t.conf(["trainer.total_steps=2"]), console=t.console, session=session)
         b2 = train(t.conf([f"resume={b['run_dir']}", f"trainer.total_steps={STEPS}", "trainer.keep_checkpoints=1"]),

@@ -65,7 +65,7 @@ def test_all_mode_can_also_reject():
 
 
 @pytest.mark.engine
-def test_verifier_engine_plumbing_with_random_tiny_model(tmp_path):
+def test_verifier_engine_plumbing_with_random_tiny_model(tmp_path, ray_runtime):
     """Real loading through reward_pool(reward.model_verifier=<dir>) and a real vLLM actor."""
     import ray
 

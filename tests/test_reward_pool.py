@@ -119,7 +119,7 @@ def test_is_equivalent_timeout_in_thread():
 
 
 @pytest.mark.engine
-def test_timeout_inside_ray_actor_and_task(tmp_path):
+def test_timeout_inside_ray_actor_and_task(tmp_path, ray_runtime):
     """Where math-verify's own timeout silently never fires: inside Ray workers."""
     import ray
 

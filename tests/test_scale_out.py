@@ -27,16 +27,20 @@ SAME_STEP_1 = ("batch/fingerprint", "critic/score/mean", "actor/pg_loss", "actor
 
 
 @pytest.fixture(scope="module")
-def runs(training_store):
+def runs(training_store, engine_pool):
+    """On the suite's engines: the 2x2 engines serve the 2x2 run and its resume; the 1x1 run
+    starts the embedded default's, which the modules after it in POOL_ORDER reuse."""
     from stapoctl.config.compose import compose_config
     from stapoctl.trainer.driver import train
 
     with training_store("scale_store") as t:
-        wide = train(t.conf(TWO_BY_TWO), console=t.console)
+        wide = train(t.conf(TWO_BY_TWO), console=t.console, session=engine_pool)
         step2 = f"{wide['run_dir']}/checkpoints/step_000002"
-        resumed = train(compose_config([f"resume={step2}", f"tracking.uri={t.uri}"]), console=t.console)
-        narrow = train(t.conf(ONE_BY_ONE), console=t.console)
-    return {"wide": wide, "resumed": resumed, "narrow": narrow, "uri": t.uri}
+        resumed = train(compose_config([f"resume={step2}", f"tracking.uri={t.uri}"]), console=t.console,
+                        session=engine_pool)
+        resumed_reused = engine_pool.engines.info["reused"]
+        narrow = train(t.conf(ONE_BY_ONE), console=t.console, session=engine_pool)
+    return {"wide": wide, "resumed": resumed, "narrow": narrow, "uri": t.uri, "resumed_reused": resumed_reused}
 
 
 def history(uri, run_id, key):
@@ -73,6 +77,7 @@ def test_two_rank_checkpoint_resumes_to_the_same_step(runs):
     same batch (its fingerprint checked against the logged one) and keeps the first-logged metrics."""
     wide = runs["wide"]["run_id"]
     assert runs["resumed"]["run_id"] == wide
-    assert runs["resumed"]["replayed"] == {"steps": [3], "mismatched": []}
+    assert runs["resumed"]["replayed"] == {"steps": [3], "mismatched": []}  # the same batch, on the 2x2 engines
+    assert runs["resumed_reused"], "the 2-rank resume started new engines"
     for key in ("batch/fingerprint", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert [s for s, _ in history(runs["uri"], wide, key)] == [1, 2, 3], key

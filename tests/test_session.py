@@ -20,18 +20,21 @@ RUN_B = ["loss=stapo", "loss.tau_p=0.2", "trainer.seed=1", "learner.lr=2e-4"]
 
 
 @pytest.fixture(scope="module")
-def runs(training_store):
+def runs(training_store, engine_pool):
+    """A then B on the suite's engines (A may find them running: the modules before it share their
+    key), then B again on fresh ones."""
     from stapoctl.trainer.driver import train
-    from stapoctl.trainer.session import EngineSession
 
     with training_store("session_store", COMMON) as t:
-        with EngineSession(t.console) as session:
-            a = train(t.conf(RUN_A), console=t.console, session=session)
-            b_reused = train(t.conf(RUN_B), console=t.console, session=session)
-            reused_info = dict(session.engines.info)
-        b_fresh = train(t.conf(RUN_B), console=t.console)
+        a = train(t.conf(RUN_A), console=t.console, session=engine_pool)
+        a_started = not engine_pool.engines.info["reused"]
+        b_reused = train(t.conf(RUN_B), console=t.console, session=engine_pool)
+        reused_info = dict(engine_pool.engines.info)
+        engine_pool.discard()
+        b_fresh = train(t.conf(RUN_B), console=t.console, session=engine_pool)
+        fresh_info = dict(engine_pool.engines.info)
     return {"a": a, "b_reused": b_reused, "b_fresh": b_fresh, "uri": t.uri, "info": reused_info,
-            "log": t.console.export_text()}
+            "fresh_info": fresh_info, "a_started": a_started, "log": t.console.export_text()}
 
 
 def first_step(uri: str, run_id: str) -> dict[str, float]:
@@ -53,9 +56,9 @@ def test_reused_engines_give_a_fresh_runs_first_step(runs):
 
 
 def test_the_second_run_reused_the_engines(runs):
-    assert runs["info"]["reused"] is True
+    assert runs["info"]["reused"] is True and runs["fresh_info"]["reused"] is False
     assert "engines reused (learner reset + weight sync in" in runs["log"]
-    assert runs["log"].count("engines up in") == 2  # run A's start and the fresh run B's
+    assert runs["log"].count("engines up in") == 1 + runs["a_started"]  # the fresh run B's (and run A's start)
     import mlflow
 
     client = mlflow.MlflowClient(runs["uri"])

@@ -15,12 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # what `stapoctl train` / `sweep` do first with the store (mlflow_run.setup), then a read through
 # the client `runs` and the sweep's store use; all start at the same instant
 OPENER = r"""
-import sys, time
-uri, start, name = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+import os, sys, time
+uri, go, name = sys.argv[1], sys.argv[2], sys.argv[3]
 from mlflow import MlflowClient  # the import is slow: done before the start line
 from stapoctl.sweep import store
 from stapoctl.tracking import mlflow_run
-while time.time() < start:
+open(f"{go}.{name}", "w").close()  # imported; the test creates `go` once every opener has said so
+while not os.path.exists(go):
     time.sleep(0.005)
 mlflow_run.setup(uri, "shared")
 c = store.client(uri)
@@ -35,9 +36,15 @@ def test_processes_opening_one_fresh_store_at_once_all_succeed(tmp_path):
     uri = f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     env.pop("MLFLOW_TRACKING_URI", None)
-    start = time.time() + 15  # every process has imported MLflow by then
-    procs = [subprocess.Popen([sys.executable, "-c", OPENER, uri, str(start), f"opener-{i}"], env=env,
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", OPENER, uri, str(go), f"opener-{i}"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+    deadline = time.monotonic() + 300
+    while not all(tmp_path.joinpath(f"go.opener-{i}").exists() for i in range(3)):  # every one has imported MLflow
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            [p.communicate()[1][-3000:] for p in procs if p.poll() is not None]
+        time.sleep(0.05)
+    go.touch()
     results = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, results):
         assert p.returncode == 0 and out.startswith("opened "), err[-3000:]

@@ -8,75 +8,14 @@ verbs, a stopped job, and a client without the token being refused.
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 
-RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
-@pytest.fixture(scope="module")
-def ray_head():
-    """A Ray head (`ray start --head --block`, our child): address, token path, env for clients."""
-    root = Path(tempfile.mkdtemp(prefix="rayh", dir="/tmp"))  # short: Ray's unix sockets live below it
-    token = root / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o600)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    gcs, dash, client, agent, agent_grpc, metrics, rt_env = free_ports(7)
-    cmd = [RAY, "start", "--head", "--block", f"--port={gcs}", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
-           f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-           f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}",
-           "--num-cpus=2", f"--temp-dir={root / 'ray'}", "--disable-usage-stats"]
-    log = open(root / "head.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{dash}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"{address}/api/version", timeout=2)
-            except urllib.error.HTTPError as exc:  # 401: up, and it wants the token
-                if exc.code == 401:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the Ray head did not come up: {(root / 'head.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-        yield {"address": address, "token": token, "root": root}
-    finally:
-        proc.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
-        shutil.rmtree(root, ignore_errors=True)
+# `ray_head`: one Ray head for the session (tests/conftest.py), shared with test_doctor and
+# test_sweep_parallel_e2e
 
 
 def cli(*args: str, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:

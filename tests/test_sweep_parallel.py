@@ -59,7 +59,7 @@ rid = run.info.run_id
 c.log_param(rid, "trainer.total_steps", steps)
 note(event="run", run_id=rid)
 for step in range(1, steps + 1):
-    time.sleep(float(os.environ.get("STAND_IN_STEP_S", "0.3")))
+    time.sleep(float(os.environ.get(f"STAND_IN_STEP_S_{index}", os.environ.get("STAND_IN_STEP_S", "0.3"))))
     c.log_metric(rid, "timing_s/step", 0.01, step=step)
     c.set_tag(rid, "stapoctl.step", str(step))
     if stop:
@@ -146,8 +146,8 @@ def most_at_once(evs: list[dict]) -> int:
 def test_k_trials_at_once_a_failure_does_not_stop_the_others_and_resume_runs_the_rest(world):
     world["script"].update({"0": "boom", "1": "before"})
     # trial 0 lives one step after its start: long enough, under load too, to overlap trial 1 (which
-    # ends at once) and trial 2 (started when 1 ends, after its own imports)
-    world["monkeypatch"].setenv("STAND_IN_STEP_S", "8")
+    # ends at once) and trial 2 (started when 1 ends, after its own imports); the others step at 0.3 s
+    world["monkeypatch"].setenv("STAND_IN_STEP_S_0", "8")
     code, log = run(world, "values=[2e-3,2e-2,2e-1]", "max_parallel=2")
     assert code == 1, log
     parent = the_sweep(world)
@@ -173,6 +173,7 @@ def test_k_trials_at_once_a_failure_does_not_stop_the_others_and_resume_runs_the
     # resume: only the two failed trials run again, as new children; the failed ones stay
     world["script"].clear()
     world["log"].unlink()
+    world["monkeypatch"].delenv("STAND_IN_STEP_S_0")  # nothing below needs a slow trial
     code, log = run(world, f"resume={sweep_id[:8]}", "max_parallel=2")
     assert code == 0, log
     assert sorted(e["index"] for e in events(world) if e["event"] == "start") == [0, 1]

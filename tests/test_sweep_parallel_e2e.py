@@ -5,10 +5,12 @@ MLflow sqlite), two values × one seed, each trial asking for half a CPU per rol
 1. on a Ray head with its job server (`ray start --head`, as tests/test_submit_ray.py starts it):
    one Ray job per trial, both running at once — both children FINISHED under one parent, their
    start–end intervals overlap;
-2. here (`cluster=local`): two `stapoctl train` processes, each with its own Ray of 1 CPU; once
-   both have logged a step the sweep's process group gets Ctrl-C (SIGINT) — both trials end
-   their step, write a checkpoint and end KILLED, the parent KILLED, no run RUNNING, no process
-   left behind.
+2. here (`cluster=local`), three values: two `stapoctl train` processes at once, each with its own
+   Ray of 1 CPU; once both have logged a step the sweep's process group gets Ctrl-C (SIGINT) —
+   both trials end their step, write a checkpoint and end KILLED, the parent KILLED, no run
+   RUNNING, no process left behind; then `resume=ID` (one after another, in this process) runs
+   the three unfinished trials on engines started once: the two interrupted ones continue their
+   runs from their checkpoints, the third starts from the base model.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from test_submit_ray import cli, ray_head  # noqa: F401  (the Ray head fixture, token auth on)
+from test_submit_ray import cli
 
 pytestmark = pytest.mark.e2e
 
@@ -46,7 +48,7 @@ def _sweeps(client):
 
 
 @pytest.fixture(scope="module")
-def on_ray(ray_head, shared_home, tmp_path_factory):  # noqa: F811
+def on_ray(ray_head, shared_home, tmp_path_factory):
     import mlflow
 
     store = tmp_path_factory.mktemp("parallel_ray") / "mlflow.db"
@@ -93,16 +95,28 @@ def _wait_until_both_trials_stepped(client, proc, log: Path, timeout_s: float = 
     raise AssertionError(f"the two trials never both logged a step:\n{log.read_text()[-4000:]}")
 
 
-def test_ctrl_c_stops_a_parallel_sweep_here_and_leaves_no_run_running(shared_home, tmp_path):
+HERE = [*SHORT[1:], "trainer.total_steps=60", "eval.every_n_steps=60"]  # values: three below
+
+
+@pytest.fixture(scope="module")
+def interrupted(shared_home, tmp_path_factory):
+    """Three trials, two at once: Ctrl-C once the first two have stepped (both KILLED with a
+    checkpoint, the third never started); then `stapoctl sweep tau_p resume=ID` in this process
+    runs the three unfinished trials one after another on engines it starts once."""
     import mlflow
     import psutil
+    from conftest import engine_starts
     from procs import alive
+    from rich.console import Console
 
+    from stapoctl.sweep.runner import sweep_command
+
+    tmp_path = tmp_path_factory.mktemp("parallel_here")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {**os.environ, "STAPOCTL_HOME": str(shared_home.home), "PYTHONPATH": str(ROOT), "COLUMNS": "160",
            "TERM": "dumb", "HF_HUB_OFFLINE": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    args = [*shared_home.overrides, *SHORT, "trainer.total_steps=200", "eval.every_n_steps=200", f"tracking.uri={uri}"]
+    args = [*shared_home.overrides, "values=[2e-3,2e-2,2e-1]", *HERE, f"tracking.uri={uri}"]
     log = tmp_path / "sweep.log"
     client = mlflow.MlflowClient(uri)
     with open(log, "w") as out:
@@ -123,22 +137,66 @@ def test_ctrl_c_stops_a_parallel_sweep_here_and_leaves_no_run_running(shared_hom
     leftovers = [p for p in tree if alive(p)]
     for pid in leftovers:  # clean up before failing on them
         os.kill(pid, signal.SIGKILL)
-    text = log.read_text()
-    assert rc == 130, text[-4000:]
-    assert not leftovers, f"processes left behind: {leftovers}"
-    parent = client.get_run(sweep_id)
-    assert parent.info.status == "KILLED" and parent.data.tags["stapoctl.error"] == \
-        "interrupted (SIGINT) during trials 1, 2"
-    assert [r.info.run_name for r in client.search_runs([parent.info.experiment_id])
-            if r.info.status == "RUNNING"] == []
     from stapoctl.sweep import store
     from stapoctl.sweep.outcome import resume_point
 
-    children = _children(client, sweep_id)
-    assert [r.info.status for r in children] == ["KILLED", "KILLED"]
+    out = {"rc": rc, "leftovers": leftovers, "text": log.read_text(), "sweep_id": sweep_id, "client": client,
+           "children": _children(client, sweep_id)}
+    records = store.trial_records(sweep_id, 3, uri)
+    out["resume_points"] = [resume_point(records[i]) for i in (0, 1, 2)]
+    parent = client.get_run(sweep_id)
+    out["parent_status"], out["parent_error"] = parent.info.status, parent.data.tags.get("stapoctl.error")
+    out["running"] = [r.info.run_name for r in client.search_runs([out["children"][0].info.experiment_id])
+                      if r.info.status == "RUNNING"]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STAPOCTL_HOME", str(shared_home.home))
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    console = Console(width=160, record=True)
+    before = len(engine_starts())
+    try:
+        # the trials' own processes each had half the machine (cluster.num_cpus=1, saved with their
+        # checkpoints); one after another here, all three get its two cores
+        out["resume_rc"] = sweep_command("tau_p", [*shared_home.overrides, f"resume={sweep_id[:8]}",
+                                                   f"tracking.uri={uri}", "cluster.num_cpus=2"], console)
+    finally:
+        mp.undo()
+    out["resume_starts"] = engine_starts()[before:]
+    out["resume_log"] = console.export_text()
+    return out
+
+
+def test_ctrl_c_stops_a_parallel_sweep_here_and_leaves_no_run_running(interrupted):
+    text, client, sweep_id = interrupted["text"], interrupted["client"], interrupted["sweep_id"]
+    assert interrupted["rc"] == 130, text[-4000:]
+    assert not interrupted["leftovers"], f"processes left behind: {interrupted['leftovers']}"
+    assert interrupted["parent_status"] == "KILLED" and interrupted["running"] == []
+    assert interrupted["parent_error"] == "interrupted (SIGINT) during trials 1, 2"
+    children = interrupted["children"]
+    assert [r.info.status for r in children] == ["KILLED", "KILLED"]  # the third never started
     for run in children:  # each ended its step and wrote the checkpoint a resume continues from
         assert run.data.tags["stapoctl.stop_reason"].startswith("SIGINT"), run.data.tags
         assert run.data.params["cluster.num_cpus"] == "1"  # its own Ray: half of this machine
-    records = store.trial_records(sweep_id, 2, uri)
-    assert all(resume_point(records[i]) for i in (0, 1)), "a trial stopped without a checkpoint"
+    assert all(interrupted["resume_points"][:2]), "a trial stopped without a checkpoint"
+    assert interrupted["resume_points"][2] is None  # never started: it starts from the base model
     assert f"resume={sweep_id[:8]}" in text
+
+
+def test_the_resumed_sweep_runs_its_three_unfinished_trials_on_engines_started_once(interrupted):
+    client, sweep_id, log = interrupted["client"], interrupted["sweep_id"], interrupted["resume_log"]
+    assert interrupted["resume_rc"] == 0, log[-4000:]
+    assert client.get_run(sweep_id).info.status == "FINISHED"
+    children = _children(client, sweep_id)
+    by_trial = {r.data.tags["stapoctl.trial"]: r for r in children if r.info.status == "FINISHED"}
+    assert sorted(by_trial) == ["0", "1", "2"], [(r.data.tags.get("stapoctl.trial"), r.info.status) for r in children]
+    killed = {r.data.tags["stapoctl.trial"]: r.info.run_id for r in interrupted["children"]}
+    for trial in ("0", "1"):  # the two interrupted trials continued their own runs from their checkpoints
+        assert by_trial[trial].info.run_id == killed[trial]
+        steps = [m.step for m in client.get_metric_history(killed[trial], "batch/fingerprint")]
+        assert sorted(set(steps)) == list(range(1, 61)), steps
+    # one engine start for the three (two resumed from checkpoints, one from the base model): the
+    # later trials ran on the first one's engines, their weights pushed in
+    starts = interrupted["resume_starts"]
+    assert len(starts) == 1, [(s.get("kind"), s.get("test")) for s in starts]
+    reused = [by_trial[t].data.tags["stapoctl.engines_reused"] for t in ("0", "1", "2")]
+    assert reused == ["false", "true", "true"], reused
+    assert log.count("engines reused (learner reset + weight sync in") == 2

@@ -114,10 +114,17 @@ def cli(*args, columns=200):
     as `stapoctl.cli.main` turns it (tests/test_tracking.py checks that through a subprocess)."""
     from typer.testing import CliRunner
 
+    from stapoctl import cli as stapoctl_cli
     from stapoctl.cli import app
     from stapoctl.errors import UserError
 
-    res = CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": str(columns)})
+    # the CLI's console took its width from COLUMNS when `stapoctl.cli` was first imported in this
+    # process (by whichever test that was): pin it for this call
+    width, stapoctl_cli.console.width = stapoctl_cli.console.width, columns
+    try:
+        res = CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": str(columns)})
+    finally:
+        stapoctl_cli.console.width = width
     if isinstance(res.exception, UserError):
         return Result(2, res.stdout, f"error: {res.exception}")
     if res.exception is not None and not isinstance(res.exception, SystemExit):

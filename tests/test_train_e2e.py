@@ -30,8 +30,9 @@ SAME_AT_STEP_3 = ("batch/fingerprint", "batch/prompts_fingerprint", "critic/scor
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, shared_home):
-    """One 3-step run and one resume from its step-2 checkpoint; both summaries and the store."""
+def run(tmp_path_factory, shared_home, engine_pool):
+    """One 3-step run and one resume from its step-2 checkpoint, on the same running engines (the
+    resumed weights pushed into them); both summaries and the store."""
     from rich.console import Console
 
     from stapoctl.config.compose import compose_config
@@ -45,12 +46,16 @@ def run(tmp_path_factory, shared_home):
     console = Console(width=120, record=True)
     try:
         first = train(compose_config(shared_home.overrides + OVERRIDES + [f"tracking.uri={uri}"]),
-                      console=console)
+                      console=console, session=engine_pool)
         step2 = f"{first['run_dir']}/checkpoints/step_{SAVE:06d}"
-        resumed = train(compose_config([f"resume={step2}", f"tracking.uri={uri}"]), console=console)
+        resumed = train(compose_config([f"resume={step2}", f"tracking.uri={uri}"]), console=console,
+                        session=engine_pool)
+        resumed_on_running_engines = bool(engine_pool.engines.info.get("reused"))
+        pool_log = engine_pool.console.export_text(clear=False)
     finally:
         mp.undo()
-    return {"first": first, "resumed": resumed, "uri": uri, "home": home, "log": console.export_text()}
+    return {"first": first, "resumed": resumed, "uri": uri, "home": home, "log": console.export_text(),
+            "resumed_on_running_engines": resumed_on_running_engines, "pool_log": pool_log}
 
 
 def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -152,6 +157,10 @@ def test_checkpoints_are_complete_and_loadable(run):
 def test_resume_reproduces_the_next_step(run):
     first, resumed = run["first"], run["resumed"]
     assert resumed["run_id"] == first["run_id"], "resume must continue the same MLflow run"
+    # the resume ran on the first run's engines (its checkpoint's weights pushed into them), and
+    # still computed the uninterrupted run's step 3
+    assert run["resumed_on_running_engines"], f"the resume started new engines: {run['pool_log']}"
+    assert "engines reused (learner reset + weight sync in" in run["log"]
     # step 3 was logged by the first run; the resumed run recomputed it from the step-2
     # checkpoint, found the same batch, and did not log it again (one point per step)
     assert resumed["replayed"] == {"steps": [3], "mismatched": []}

@@ -20,7 +20,7 @@ N = 4
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def engines(tmp_path_factory, ray_runtime):
     import ray
 
     from stapoctl.config.schema import TinyModelConfig

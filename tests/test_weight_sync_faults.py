@@ -86,11 +86,10 @@ def _expect(fn, exc_type):
 
 
 @pytest.fixture(scope="module")
-def chain(training_store, tmp_path_factory):
+def chain(training_store, tmp_path_factory, engine_pool):
     from stapoctl.config.compose import compose_config
     from stapoctl.errors import AlarmStopped, RunFailed
     from stapoctl.trainer.driver import train
-    from stapoctl.trainer.session import EngineSession
 
     tmp = tmp_path_factory.mktemp("sync_faults")
     claim = tmp / "corrupted"
@@ -98,34 +97,35 @@ def chain(training_store, tmp_path_factory):
     mp.setenv("STAPOCTL_TEST_CORRUPT_PUSH", str(claim))
     mp.setenv("STAPOCTL_TEST_SYNC_DELAY_S", "1")
     out: dict = {}
+    session = engine_pool
+    session.discard()  # the hooks' variables reach actors started from here on
     try:
         with training_store("sync_faults", COMMON) as t:
             (tmp / "corrupted.arm").touch()  # armed: the first push corrupts one worker
             exc = _expect(lambda: train(t.conf(["rollout.weight_sync=object_store",
-                                                f"trainer.output_dir={tmp / 'object_store'}"]), console=t.console),
-                          AlarmStopped)
+                                                f"trainer.output_dir={tmp / 'object_store'}"]), console=t.console,
+                                        session=session), AlarmStopped)
             out["object_store"] = {"error": str(exc), "claimed": int(claim.read_text())}
             claim.unlink()
-            with EngineSession(t.console) as session:
-                exc = _expect(lambda: train(t.conf(["rollout.weight_sync=gloo", f"trainer.output_dir={tmp / 'gloo'}"]),
-                                            console=t.console, session=session), AlarmStopped)
-                out["gloo"] = {"error": str(exc), "claimed": int(claim.read_text())}
-                claim.unlink()
-                (tmp / "corrupted.arm").unlink()
-                killed: dict = {}
-                saboteur = _saboteur(tmp / "killed", 3, signal.SIGKILL, killed)
-                exc = _expect(lambda: train(t.conf(["rollout.weight_sync=gloo", f"trainer.output_dir={tmp / 'killed'}"]),
-                                            console=t.console, session=session), RunFailed)
-                killed.update(error=str(exc), ended=time.monotonic(), steps=_steps(tmp / "killed"))
-                saboteur.join(5)
-                out["killed"] = killed
+            exc = _expect(lambda: train(t.conf(["rollout.weight_sync=gloo", f"trainer.output_dir={tmp / 'gloo'}"]),
+                                        console=t.console, session=session), AlarmStopped)
+            out["gloo"] = {"error": str(exc), "claimed": int(claim.read_text())}
+            claim.unlink()
+            (tmp / "corrupted.arm").unlink()
+            killed: dict = {}
+            saboteur = _saboteur(tmp / "killed", 3, signal.SIGKILL, killed)
+            exc = _expect(lambda: train(t.conf(["rollout.weight_sync=gloo", f"trainer.output_dir={tmp / 'killed'}"]),
+                                        console=t.console, session=session), RunFailed)
+            killed.update(error=str(exc), ended=time.monotonic(), steps=_steps(tmp / "killed"))
+            saboteur.join(5)
+            out["killed"] = killed
             command = shlex.split(str(exc).rpartition("resume with `")[2].partition("`")[0])
             out["resume_command"] = command
             stopped: dict = {}
             before = max(killed["steps"])
             saboteur = _saboteur(tmp / "killed", before + 1, signal.SIGSTOP, stopped)
             try:
-                exc = _expect(lambda: train(compose_config(command[2:]), console=t.console), RunFailed)
+                exc = _expect(lambda: train(compose_config(command[2:]), console=t.console, session=session), RunFailed)
                 stopped.update(error=str(exc), ended=time.monotonic(), steps=_steps(tmp / "killed"))
             finally:
                 if stopped.get("pid"):

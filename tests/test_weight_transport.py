@@ -31,7 +31,7 @@ PG_TIMEOUT_S = 777.0
 
 
 @pytest.fixture(scope="module")
-def linked(tmp_path_factory):
+def linked(tmp_path_factory, ray_runtime):
     import ray
 
     from stapoctl.config.schema import TinyModelConfig

@@ -52,21 +52,20 @@ def engines_agree(engines) -> float:
     return worst
 
 
-def session_runs(t, base: list, runs: dict, after=None) -> dict:
-    """`runs` (name → overrides) in order on one EngineSession; per run its summary and, after it,
+def session_runs(t, session, base: list, runs: dict, after=None) -> dict:
+    """`runs` (name → overrides) in order on `session` (the suite's engines, reset between runs of one
+    engine key); per run its summary and, after it,
     how far the engines are from the learner. `after(engines, conf)`: more checks on the same
     engines once the runs are done (its result under "after")."""
     from stapoctl.trainer.driver import train
-    from stapoctl.trainer.session import EngineSession
 
     out: dict = {}
-    with EngineSession(t.console) as session:
-        for name, extra in runs.items():
-            summary = train(t.conf(base + extra), console=t.console, session=session)
-            out[name] = {"run_id": summary["run_id"], "after": engines_agree(session.engines),
-                         "method": session.engines.info["sync_method"]}
-        if after is not None:
-            out["after"] = after(session.engines, t.conf(base))
+    for name, extra in runs.items():
+        summary = train(t.conf(base + extra), console=t.console, session=session)
+        out[name] = {"run_id": summary["run_id"], "after": engines_agree(session.engines),
+                     "method": session.engines.info["sync_method"], "reused": session.engines.info["reused"]}
+    if after is not None:
+        out["after"] = after(session.engines, t.conf(base))
     return out
 
 
@@ -104,11 +103,11 @@ def scores(engines) -> list:
 
 
 @pytest.fixture(scope="module")
-def runs(training_store):
+def runs(training_store, engine_pool):
     with training_store("weight_transport_store", COMMON) as t:
-        two = session_runs(t, GLOO + TWO_WORKERS, {"sync": [], "async": ASYNC, "trial2": []})
-        tp2 = session_runs(t, GLOO + TP2, {"sync": [], "async": ASYNC}, after=object_store_on_the_same_engines)
-        store = session_runs(t, TWO_WORKERS, {"sync": []})
+        two = session_runs(t, engine_pool, GLOO + TWO_WORKERS, {"sync": [], "async": ASYNC, "trial2": []})
+        tp2 = session_runs(t, engine_pool, GLOO + TP2, {"sync": [], "async": ASYNC}, after=object_store_on_the_same_engines)
+        store = session_runs(t, engine_pool, TWO_WORKERS, {"sync": []})
     return {"two": two, "tp2": tp2, "store": store, "uri": t.uri}
 
 
@@ -149,6 +148,7 @@ def test_a_second_trial_on_reused_engines_starts_from_the_reset_weights(runs):
     for key in ("critic/score/mean", "response_length/mean"):  # trial 1's rollout, exactly
         assert history(runs["uri"], second, key)[1] == history(runs["uri"], first, key)[1], key
     assert history(runs["uri"], second, "rollout/logprob_diff_max")[1] < 1e-4
+    assert runs["two"]["trial2"]["reused"] and runs["two"]["async"]["reused"]
 
 
 def test_gloo_and_the_object_store_train_the_same_bits(runs):

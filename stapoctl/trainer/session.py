@@ -5,11 +5,13 @@ Between runs the learner ranks are `reset` (base weights reloaded, a fresh optim
 schedule, the run's seed and loss config) and the base weights are pushed to every vLLM actor,
 so a trial on reused engines computes what a fresh process would (tests/test_session.py checks
 the first step's batch, loss and entropy). Engines are restarted only when the next run needs
-different ones: another model, dtype, actor count or resources, context length, reward setup.
+different ones: another architecture or tokenizer, dtype, actor count or resources, context length;
+a run resumed from a checkpoint of the same model reuses them (its weights are pushed).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Optional
 
@@ -32,16 +34,41 @@ RESTART_KEYS = (
 )
 
 
-def engine_key(conf: DictConfig, policy_path: str) -> str:
-    """What the running engines were built for; equal keys ⇒ a reset is enough."""
+def engine_parts(conf: DictConfig, policy_path: str) -> dict[str, Any]:
+    """What the running engines were built for, by name.
+
+    Not the policy's path: a resumed run (or a sweep's next trial resumed from its checkpoint)
+    whose model has the architecture and tokenizer the engines were started on gets the engines
+    as they run, its weights loaded by the learner reset and pushed to vLLM."""
+    from stapoctl.models.identity import model_identity
     from stapoctl.trainer.engine_settings import max_model_len, thread_counts
 
-    parts: dict[str, Any] = {"policy": policy_path, "max_model_len": max_model_len(conf, policy_path),
+    parts: dict[str, Any] = {"model": model_identity(policy_path), "max_model_len": max_model_len(conf, policy_path),
                              "rollout_threads": thread_counts(conf)[0]}  # fixed when vLLM starts
     for key in RESTART_KEYS:
         node = OmegaConf.select(conf, key)
         parts[key] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-    return repr(sorted(parts.items()))
+    return parts
+
+
+def engine_key(conf: DictConfig, policy_path: str) -> str:
+    """Equal keys ⇒ the running engines fit and a reset is enough. Canonical JSON: a resumed run's
+    config comes back from its checkpoint with its mappings in another order."""
+    return _canonical(engine_parts(conf, policy_path))
+
+
+def _canonical(parts: dict[str, Any]) -> str:
+    return json.dumps(parts, sort_keys=True, default=repr)
+
+
+def why_restart(before: Optional[dict], after: dict) -> str:
+    """The settings that differ, as `name: old → new` (what a researcher reads when a sweep's
+    trial started new engines instead of reusing them)."""
+    if not before:
+        return ""
+    changed = [k for k in after if _canonical({"v": before.get(k)}) != _canonical({"v": after[k]})]
+    return "; ".join(f"{k}: {before.get(k)!r} → {after[k]!r}" for k in changed[:4]) + \
+        (f"; {len(changed) - 4} more" if len(changed) > 4 else "")
 
 
 class EngineSession:
@@ -52,6 +79,7 @@ class EngineSession:
         self.engines = None
         self.scorer = None
         self.key: Optional[str] = None
+        self.parts: Optional[dict] = None  # engine_parts of the running engines
         self.scorer_key: Optional[str] = None
         self.started_ray = False
         self.runs = 0
@@ -77,11 +105,16 @@ class EngineSession:
         from stapoctl.trainer.engines import launch_engines
 
         self._ensure_scorer(conf)
-        key = engine_key(conf, policy_path)
+        parts = engine_parts(conf, policy_path)
+        key = _canonical(parts)
         if (self.engines is not None and key == self.key) or (self._launch is not None and key == self._launch_key):
             return
+        if self.engines is not None:
+            self.console.print(f"starting new engines: {why_restart(self.parts, parts)}", markup=False,
+                               highlight=False)
         self._cancel_launch()
         self._stop_engines()
+        self.parts = parts
         try:
             was_up = ray.is_initialized()
             with self.console.status("starting Ray and the engine actors…"):

@@ -216,6 +216,9 @@ def running_engines(conf: DictConfig, policy_path: str, resume_dir: Optional[Pat
     trials) or, when the run owns it, shut down after the run by the caller (vLLM, then Ray)."""
     try:
         engines, scorer = session.acquire(conf, policy_path, base_model)
+        # what the engines say mid-run (a rollout actor restarted by Ray) goes to this run's console,
+        # not to the one of the run (or sweep) that started them
+        engines.say = lambda msg: console.print(msg, style="yellow", markup=False, highlight=False)
         if resume_dir:
             engines.call_learners("load", str(resume_dir))
         info = engines.info
