@@ -22,6 +22,12 @@ _BASE_ACTOR_ENV = {
     "VLLM_CONFIGURE_LOGGING": "1",
     "RAY_DEDUP_LOGS": "1",
     "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning,ignore::UserWarning",
+    # Ray runs every worker process at niceness 15 unless its environment says otherwise (Ray's own
+    # job supervisor sets 0 for a job's driver the same way). An engine actor at 15 got a few percent
+    # of a core against anything at 0 beside it: the driver's set-up thread, Ray's own agents, a
+    # verifier subprocess, another program. The engine actors are the run's critical path, so they
+    # run at the driver's priority (docs/PERFORMANCE.md, "Start-up phase table").
+    "RAY_worker_niceness": "0",
 }
 
 
@@ -209,7 +215,65 @@ def node_address(node_id: str) -> str:
     return node_id[:12]
 
 
+def process_start() -> float:
+    """When this process started, epoch seconds (0 where it cannot be read). A Ray actor's process is
+    spawned when the actor is created: its start minus the creation is Ray's spawn time. On Linux
+    from the process's start tick and the uptime, both to 10 ms (psutil's `create_time` adds the
+    boot time, which /proc/stat rounds to the second); elsewhere psutil's."""
+    import time
+
+    try:
+        with open("/proc/self/stat", encoding="ascii") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22, after "(comm)"
+        with open("/proc/uptime", encoding="ascii") as fh:
+            uptime = float(fh.read().split()[0])
+        return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:
+        return 0.0
+
+
 def in_ray_actor() -> bool:
     """True inside a Ray actor's process (an engine actor), False in a driver or a test process."""
     ctx = runtime_context()
     return bool(ctx is not None and ctx.get_actor_id())
+
+
+# (phase, mark it starts at, mark it ends at, whose marks): `startup_phases`' table. Driver marks are
+# `trainer.engines.EngineLaunch.marks`; "rollout" and "learner" ones the slowest vLLM actor's and learner rank's own.
+STARTUP_PHASES = (
+    ("ray.init", ("driver", "launch"), ("driver", "ray_up")),
+    ("placement groups", ("driver", "ray_up"), ("driver", "placement_ready")),
+    ("vLLM actor: process spawn", ("driver", "placement_ready"), ("rollout", "spawned")),
+    ("vLLM actor: spawn → constructor (Ray worker start)", ("rollout", "spawned"), ("rollout", "constructor")),
+    ("vLLM actor: import vLLM", ("rollout", "constructor"), ("rollout", "vllm_imported")),
+    ("vLLM actor: engine init", ("rollout", "vllm_imported"), ("rollout", "engine_built")),
+    ("learner: process up (rendezvous answered)", ("driver", "rollout_created"), ("driver", "learner_setup_sent")),
+    ("learner: setup call arrives", ("driver", "learner_setup_sent"), ("learner", "setup_called")),
+    ("learner: imports (torch, transformers)", ("learner", "setup_called"), ("learner", "imports")),
+    ("learner: DeepSpeed import + process group", ("learner", "imports"), ("learner", "process_group")),
+    ("learner: model, optimizer, deepspeed.initialize", ("learner", "process_group"), ("learner", "engine_built")),
+    ("learner: first forward", ("learner", "engine_built"), ("learner", "first_forward")),
+    ("weight-sync link", ("driver", "actors_up"), ("driver", "sync_linked")),
+)
+
+
+def startup_phases(marks: dict, worker_info: list, learner_info: list) -> dict:
+    """The engines' start-up as phases: {phase: [start, end]} in seconds since `launch_engines` began
+    (`trainer.engines`' `info["startup"]`; `python benchmarks/_startup.py --whole` prints it as a table). The
+    vLLM actor and the learner rank that came up last stand for their role."""
+    t0 = float(marks.get("launch") or 0.0)
+    sides = {"driver": marks,
+             "rollout": max((w.get("startup") or {} for w in worker_info), key=lambda m: m.get("engine_built", 0), default={}),
+             "learner": max((x.get("startup") or {} for x in learner_info), key=lambda m: m.get("first_forward", 0), default={})}
+    out = {}
+    for name, (side_a, key_a), (side_b, key_b) in STARTUP_PHASES:
+        a, b = sides[side_a].get(key_a), sides[side_b].get(key_b)
+        if a and b and t0:
+            out[name] = [round(float(a) - t0, 3), round(float(b) - t0, 3)]
+    return out

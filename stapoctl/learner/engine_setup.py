@@ -164,14 +164,22 @@ class EngineSetup:
     ) -> dict:
         """Once per process: what a later sweep trial keeps (imports, process group, MKL's first
         use) is done here, the rest in `reset`."""
+        from stapoctl.launch.ray_runtime import process_start
+
         t0 = time.perf_counter()
+        marks = {"spawned": process_start(), "setup_called": time.time()}
         import_training_stack()
+        marks["imports"] = time.time()
         self._join_process_group(learner, master_addr, master_port)
+        marks["process_group"] = time.time()  # DeepSpeed's import + init_distributed
         out = self.reset(model_path, learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
                          dtype=dtype, seed=seed, max_response_length=max_response_length,
                          reference_path=reference_path)
+        marks["engine_built"] = time.time()  # model load, AdamW, deepspeed.initialize, KL reference
         shim = self._take_first_forward()
+        marks["first_forward"] = time.time()
         out["setup_s"] = time.perf_counter() - t0
+        out["startup"] = marks  # epoch seconds of each start-up phase's end (the driver's phase table)
         out.update(host_info(shim))
         return out
 

@@ -64,13 +64,36 @@ class EngineSpec:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def make_llm(spec: EngineSpec):
-    """A vLLM `LLM` with `engine_kwargs`'s settings."""
+# What the in-process CPU engine imports while it is built (its worker class, named by vLLM's CPU
+# platform); imported with vLLM, under the paused GC, instead of inside `LLM(...)`.
+CPU_ENGINE_MODULES = ("vllm.v1.worker.cpu_worker",)
+
+
+def import_vllm(spec: "EngineSpec | None" = None) -> None:
+    """vLLM's import, with the GC paused (the import is most of the engine's start-up on CPU); for
+    `spec`'s engine on CPU in this very process (TP 1: `executor_backend` "uni") also the modules it
+    imports while it is built. Once per process."""
     from stapoctl.launch.import_gc import paused_gc
 
     configure_env()
-    with paused_gc("vllm.entrypoints.llm"):  # the import is most of the engine's start-up on CPU
-        from vllm import LLM
+    in_process = (spec is not None and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+                  and not cuda_available() and executor_backend(spec, on_gpu=False) == "uni")
+    modules = ("vllm.entrypoints.llm", *(CPU_ENGINE_MODULES if in_process else ()))
+    with paused_gc(*modules):
+        import importlib
+
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # another vLLM layout: `LLM(...)` imports what it needs itself
+                if name == modules[0]:
+                    raise
+
+
+def make_llm(spec: EngineSpec):
+    """A vLLM `LLM` with `engine_kwargs`'s settings."""
+    import_vllm(spec)
+    from vllm import LLM
 
     kwargs = engine_kwargs(spec, cuda_available())
     if spec.weight_transfer_backend:

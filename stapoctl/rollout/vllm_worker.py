@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
-from stapoctl.launch.ray_runtime import actor_env, in_ray_actor, runtime_context
+from stapoctl.launch.ray_runtime import actor_env, in_ray_actor, process_start, runtime_context
 from stapoctl.rollout.vllm_engine import EngineSpec, Sample
 from stapoctl.sync.worker_extension import EXTENSION_CLS
 
@@ -40,6 +40,7 @@ class RolloutWorker:
         from stapoctl.rollout import vllm_engine
 
         t0 = time.perf_counter()
+        marks = {"spawned": process_start(), "constructor": time.time()}
         if in_ray_actor():
             skip_unused_imports()
         if spec.worker_extension_cls is None:
@@ -53,9 +54,13 @@ class RolloutWorker:
         self.spec = spec
         self.restarted = _was_restarted()
         self.needs_weights = bool(synced and self.restarted)
+        vllm_engine.import_vllm(spec)
+        marks["vllm_imported"] = time.time()
         self.llm = vllm_engine.make_llm(spec)
         self.tokenizer = self.llm.get_tokenizer()
+        marks["engine_built"] = time.time()
         self.init_seconds = time.perf_counter() - t0
+        self.startup = marks  # epoch seconds of each start-up phase's end (`info`, the driver's phase table)
         self.weight_version = 0
 
     def info(self) -> dict[str, Any]:
@@ -70,6 +75,7 @@ class RolloutWorker:
             "needs_weights": self.needs_weights,
             "eos_token_id": self.tokenizer.eos_token_id,
             "pad_token_id": self.tokenizer.pad_token_id,
+            "startup": dict(self.startup),
         }
 
     def kv_cache_gib(self) -> float:

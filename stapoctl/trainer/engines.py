@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from stapoctl.errors import EngineFault, UserError
 from stapoctl.launch.actor_errors import describe_actor_death, user_error_in
 from stapoctl.launch.engine_log import record_start
+from stapoctl.launch.ray_runtime import startup_phases
 from stapoctl.trainer.engine_settings import learner_args, thread_counts
 
 
@@ -264,6 +265,7 @@ class EngineLaunch:
     workers: list
     learners: list
     setup_refs: list
+    marks: dict = field(default_factory=dict)  # the driver's start-up marks, epoch seconds (`startup_phases`)
 
     def ready(self) -> Engines:
         import ray
@@ -274,8 +276,10 @@ class EngineLaunch:
         try:
             worker_info = ray.get([w.info.remote() for w in self.workers])
             learner_info = ray.get(self.setup_refs)
+            self.marks["actors_up"] = time.time()
             sync = WeightSync(self.learners, self.workers, self.method, tp_size=int(r.tensor_parallel_size),
                               timeout_s=float(r.get("weight_sync_timeout_s") or 1800.0))
+            self.marks["sync_linked"] = time.time()
         except BaseException as exc:
             self.abort()
             cause = getattr(exc, "cause", None) or user_error_in(exc)
@@ -297,6 +301,7 @@ class EngineLaunch:
             "nodes": {"rollout": [w.get("node_id", "") for w in worker_info],
                       "learner": [x.get("node_id", "") for x in learner_info]},
             "learner_pids": [x.get("pid", 0) for x in learner_info],
+            "startup": startup_phases(self.marks, worker_info, learner_info),
         }
         say = ((lambda msg: self.console.print(msg, style="yellow", markup=False, highlight=False))
                if self.console is not None else None)
@@ -328,9 +333,10 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
     from stapoctl.sync.transports import choose_method
     from stapoctl.trainer.engine_settings import engine_spec
 
-    t0 = time.perf_counter()
+    t0, marks = time.perf_counter(), {"launch": time.time()}
     started_ray = ensure_ray(conf.cluster)
     t_ray = time.perf_counter() - t0
+    marks["ray_up"] = time.time()
     r, lrn = conf.rollout, conf.learner
     on_gpu = float(r.gpus_per_worker or 0) > 0 or float(lrn.gpus_per_rank or 0) > 0
     if on_gpu and not ray.cluster_resources().get("GPU"):
@@ -342,6 +348,7 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
     say = (lambda msg: console.print(msg, style="yellow", markup=False, highlight=False)) if console is not None else None
     placement = make_placement(r, lrn, timeout_s=float(conf.cluster.placement_timeout_s), on_wait=say)
     spec = engine_spec(conf, policy_path, method, on_gpu)
+    marks["placement_ready"] = time.time()
     workers: list = []
     try:
         for i in range(int(r.num_workers)):  # every resource an actor asks is the placement's (actor_asks)
@@ -350,13 +357,15 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
                                                options=opts, synced=True, on_gpu=on_gpu,
                                                max_restarts=rollout_max_restarts(r, method),
                                                env_extra=placement.rollout_env(i)))
+        marks["rollout_created"] = time.time()
         if spec.colocated:  # vLLM sizes its memory before the learner allocates beside it
             ray.get([w.info.remote() for w in workers])
         learners, setup_refs = make_learner_group(policy_path, **learner_args(conf, reference_path),
                                                    placement=placement, wait=False,
                                                    start_timeout_s=float(conf.cluster.placement_timeout_s) + 300.0)
+        marks["learner_setup_sent"] = time.time()  # after rank 0's rendezvous: its process is up
     except BaseException:
         Engines(workers=workers, learners=[], sync=None, placement=placement).shutdown()
         raise
     return EngineLaunch(conf=conf, console=console, t0=t0, t_ray=t_ray, started_ray=started_ray, method=method,
-                        placement=placement, workers=workers, learners=learners, setup_refs=setup_refs)
+                        placement=placement, workers=workers, learners=learners, setup_refs=setup_refs, marks=marks)
