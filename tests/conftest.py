@@ -101,7 +101,7 @@ def free_ports(n: int) -> list[int]:
 def ray_head():
     """A Ray head (`ray start --head --block`, our child): address, token path, env for clients.
     One for the session (test_submit_ray, test_doctor, test_sweep_parallel_e2e): the tests that use
-    it run one after another and it stops once they are done (see `pytest_runtest_setup`)."""
+    it run one after another and it stops once they are done (see `pytest_runtest_teardown`)."""
     root = Path(tempfile.mkdtemp(prefix="rayh", dir="/tmp"))  # short: Ray's unix sockets live below it
     token = root / "auth_token"
     token.write_text(secrets.token_hex(32))
@@ -235,17 +235,31 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     items.sort(key=key)
 
 
+_LAST_USER: dict[str, str] = {}  # fixture → node id of the last test that uses it, in the final order
+
+
+def pytest_collection_finish(session) -> None:
+    """After every reordering (this file's, and `--ff`/`--nf`'s, which may come after it)."""
+    _LAST_USER.clear()
+    for item in session.items:
+        for fixture in ("ray_head", "ray_runtime", "engine_pool"):
+            if _uses(item, fixture):
+                _LAST_USER[fixture] = item.nodeid
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """A shared resource stops once its group is over: after the last test that uses it and its
-    module's fixtures (their actors) are torn down, when the next test does not use it."""
+    module's fixtures (their actors) are torn down. Under pytest-xdist a worker runs a part of the
+    order: its shared resources end with its session."""
     try:
         return (yield)
     finally:
-        for fixture, stop in list(_SHARED.items()):
-            if nextitem is not None and not _uses(nextitem, fixture):
-                _SHARED.pop(fixture, None)
-                stop()
+        if nextitem is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+            for fixture, stop in list(_SHARED.items()):
+                if _LAST_USER.get(fixture) == item.nodeid:
+                    _SHARED.pop(fixture, None)
+                    stop()
 
 
 # -- where the suite's time goes ---------------------------------------------------------------------

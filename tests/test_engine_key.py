@@ -73,6 +73,23 @@ def test_another_architecture_or_tokenizer_starts_new_engines(base, tmp_path):
     assert model_identity(str(retokenized)) != model_identity(str(base))
 
 
+def test_a_run_is_keyed_by_its_base_model(base, saved, tmp_path):
+    """A resumed run's policy is its checkpoint, its base the run's initial model: keyed by the base,
+    it matches fresh runs of that base even where a save rewrote the config's fields."""
+    from stapoctl.trainer.session import engine_key
+
+    rewritten = tmp_path / "rewritten"
+    shutil.copytree(saved, rewritten)
+    cfg = json.loads((rewritten / "config.json").read_text())
+    # as transformers 5 re-saves a Qwen3-8B config: rope_theta moved, layer_types added
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta", 10000.0), "rescaled": 1}
+    cfg["layer_types"] = ["full_attention"] * int(cfg["num_hidden_layers"]) + ["rewritten"]
+    (rewritten / "config.json").write_text(json.dumps(cfg))
+    fresh = engine_key(_conf(), str(base), str(base))
+    assert engine_key(_conf(), str(rewritten), str(base)) == fresh
+    assert engine_key(_conf(), str(rewritten)) != fresh  # by its own path it would not have matched
+
+
 def test_a_hub_id_not_on_disk_matches_only_itself():
     from stapoctl.models.identity import model_identity
 
@@ -86,7 +103,7 @@ def test_settings_vllm_fixed_at_start_still_start_new_engines(base):
     same = engine_key(_conf(), str(base))
     assert engine_key(_conf("loss=stapo", "trainer.seed=3", "learner.lr=1e-5"), str(base)) == same  # a reset
     for change in ("model.dtype=bfloat16", "rollout.num_workers=2", "rollout.max_response_length=64",
-                   "rollout.num_threads=1", "rollout.weight_sync=gloo"):
+                   "rollout.num_threads=1", "rollout.weight_sync=gloo", "rollout.max_restarts=0"):
         assert engine_key(_conf(change), str(base)) != same, change
 
 

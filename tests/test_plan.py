@@ -29,10 +29,11 @@ GIB = 2**30
 # fresh process (the server refuses to start otherwise).
 FORK_SERVER = r'''
 import atexit, json, os, runpy, sys
+proto = os.fdopen(os.dup(1), "w", buffering=1)  # the replies' pipe, before any import can print
+os.dup2(2, 1)  # what the imports print (DeepSpeed's accelerator warning) goes to stderr
 import deepspeed.runtime.zero.stage3, deepspeed.runtime.zero.stage_1_and_2, hydra, omegaconf, torch  # noqa: F401
 early = sorted(m for m in sys.modules if m.split(".")[0] in ("stapoctl", "transformers") or m == "huggingface_hub.constants")
 assert not early, f"imported before the fork: {early}"
-proto = os.fdopen(os.dup(1), "w", buffering=1)
 for line in sys.stdin:
     req = json.loads(line)
     pid = os.fork()

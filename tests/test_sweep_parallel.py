@@ -208,7 +208,9 @@ def test_ctrl_c_stops_every_trial_and_leaves_no_run_running(world, monkeypatch):
     world["script"].update({"1": "stubborn"})
 
     def interrupt_once_both_run():
-        deadline = time.monotonic() + 120
+        # the stand-ins' 400 steps of 0.5 s leave 200 s to catch both running, however long a loaded
+        # machine takes to start them (120 s was too short beside a full suite: the sweep then finished)
+        deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
             if {e["index"] for e in events(world) if e["event"] == "run"} == {0, 1}:
                 os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C reaches the sweep (the trials have their own sessions)

@@ -136,6 +136,7 @@ def chain(training_store, tmp_path_factory, engine_pool):
             out["stopped"] = stopped
             out["uri"] = t.uri
             out["log"] = t.console.export_text()
+        session.discard()  # its actors carry the hooks' variables: none of them serves a later module
         yield out
     finally:
         mp.undo()

@@ -25,6 +25,9 @@ RESTART_KEYS = (
     "rollout.tensor_parallel_size", "rollout.gpu_memory_utilization", "rollout.kv_cache_gb",
     "rollout.enforce_eager", "rollout.weight_sync", "rollout.weight_sync_timeout_s", "rollout.resources",
     "rollout.placement_strategy",
+    # Ray's restart budget is the actor's whole life: a run on reused actors would inherit the
+    # restarts earlier runs used (and a change of it would not reach the running actors)
+    "rollout.max_restarts",
     "learner.backend", "learner.num_ranks", "learner.gpus_per_rank", "learner.cpus", "learner.resources",
     "learner.placement_strategy", "learner.placement",
     # the weight link captures the stage when it is built (a ZeRO-3 source gathers, a ZeRO-2 one does
@@ -34,16 +37,19 @@ RESTART_KEYS = (
 )
 
 
-def engine_parts(conf: DictConfig, policy_path: str) -> dict[str, Any]:
+def engine_parts(conf: DictConfig, policy_path: str, base_model: Optional[str] = None) -> dict[str, Any]:
     """What the running engines were built for, by name.
 
     Not the policy's path: a resumed run (or a sweep's next trial resumed from its checkpoint)
-    whose model has the architecture and tokenizer the engines were started on gets the engines
-    as they run, its weights loaded by the learner reset and pushed to vLLM."""
+    gets the engines as they run, its weights loaded by the learner reset and pushed to vLLM. The
+    model's identity is its base model's (`base_model`: the run's initial policy), whose
+    checkpoints keep its architecture and tokenizer: a hub id, or a config a save writes with other
+    fields (transformers 5 adds `rope_parameters`), still matches its own checkpoints."""
     from stapoctl.models.identity import model_identity
     from stapoctl.trainer.engine_settings import max_model_len, thread_counts
 
-    parts: dict[str, Any] = {"model": model_identity(policy_path), "max_model_len": max_model_len(conf, policy_path),
+    parts: dict[str, Any] = {"model": model_identity(base_model or policy_path),
+                             "max_model_len": max_model_len(conf, policy_path),
                              "rollout_threads": thread_counts(conf)[0]}  # fixed when vLLM starts
     for key in RESTART_KEYS:
         node = OmegaConf.select(conf, key)
@@ -51,10 +57,10 @@ def engine_parts(conf: DictConfig, policy_path: str) -> dict[str, Any]:
     return parts
 
 
-def engine_key(conf: DictConfig, policy_path: str) -> str:
+def engine_key(conf: DictConfig, policy_path: str, base_model: Optional[str] = None) -> str:
     """Equal keys ⇒ the running engines fit and a reset is enough. Canonical JSON: a resumed run's
     config comes back from its checkpoint with its mappings in another order."""
-    return _canonical(engine_parts(conf, policy_path))
+    return _canonical(engine_parts(conf, policy_path, base_model))
 
 
 def _canonical(parts: dict[str, Any]) -> str:
@@ -105,7 +111,7 @@ class EngineSession:
         from stapoctl.trainer.engines import launch_engines
 
         self._ensure_scorer(conf)
-        parts = engine_parts(conf, policy_path)
+        parts = engine_parts(conf, policy_path, reference_path)
         key = _canonical(parts)
         if (self.engines is not None and key == self.key) or (self._launch is not None and key == self._launch_key):
             return
@@ -132,7 +138,7 @@ class EngineSession:
         from stapoctl.trainer.engine_settings import learner_args
 
         self._ensure_scorer(conf)
-        key = engine_key(conf, policy_path)
+        key = engine_key(conf, policy_path, reference_path)
         if self._launch_key is not None and self._launch_key != key:
             self._cancel_launch()  # prepared for another config
         if self._launch_error is not None:
