@@ -206,14 +206,17 @@ def run_parallel(sweep: Sweep, todo: list[Trial], launcher: Launcher, k: int) ->
     pool = Pool(sweep, launcher)
     pending = list(todo)
     received: list[str] = []
+    seen: list[str] = []  # every stop signal, also one whose KeyboardInterrupt a library call swallowed
     sweep.console.print(f"running {len(todo)} trial(s), {k} at once, as one {launcher.what} each "
                         "(Ctrl-C stops them all)", highlight=False)
-    with signals_as_interrupt(received):
+    with signals_as_interrupt(received, seen):
         try:
             while pending or pool.running:
-                while pending and len(pool.running) < k:
+                while pending and len(pool.running) < k and not seen:
                     pool.start(pending.pop(0))
                 pool.poll()
+                if seen:
+                    raise KeyboardInterrupt
                 if pool.running:
                     time.sleep(launcher.poll_s)
         except KeyboardInterrupt:

@@ -10,22 +10,33 @@ import threading
 
 
 @contextlib.contextmanager
-def signals_as_interrupt(received: list[str]):
+def signals_as_interrupt(received: list[str], seen: list[str] | None = None):
     """SIGTERM (a scheduler's stop) unwinds like Ctrl-C, so the same code ends the runs KILLED;
-    `received` gets the signal's name."""
+    `received` gets the signal's name. `seen` (optional) gets every SIGINT and SIGTERM, for a loop
+    to check: a KeyboardInterrupt raised inside a library call that swallows it would otherwise
+    lose the stop (a parallel sweep under load once ran its trials to the end after a Ctrl-C)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def on_term(signum, frame):
         received.append(signal.Signals(signum).name)
+        if seen is not None:
+            seen.append(received[-1])
+        raise KeyboardInterrupt
+
+    def on_int(signum, frame):
+        seen.append("SIGINT")
         raise KeyboardInterrupt
 
     old_term = signal.signal(signal.SIGTERM, on_term)
+    old_int = signal.signal(signal.SIGINT, on_int) if seen is not None else None
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, old_term)
+        if old_int is not None:
+            signal.signal(signal.SIGINT, old_int)
 
 
 @contextlib.contextmanager
