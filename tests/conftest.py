@@ -296,17 +296,9 @@ def pytest_runtest_logreport(report) -> None:
 def count_engine_start(t0: float, workers=(), setup_refs=()) -> None:
     """A module fixture's hand-built actors (vLLM workers, learner ranks) counted in the table
     beside the starts `EngineLaunch.ready`, eval and the judge record themselves."""
-    import time
-
-    import ray
-
     from stapoctl.launch import engine_log
 
-    worker_info = ray.get([w.info.remote() for w in workers])
-    learner_info = ray.get(list(setup_refs))
-    engine_log.record_start({"ray_s": 0.0, "vllm_init_s": max([w["init_s"] for w in worker_info], default=0.0),
-                             "learner_setup_s": max([x["setup_s"] for x in learner_info], default=0.0),
-                             "engines_s": time.perf_counter() - t0}, kind="fixture")
+    engine_log.record_actors("fixture", t0, workers, setup_refs)
 
 
 def engine_starts(log: Path = _ENGINE_LOG) -> list[dict]:

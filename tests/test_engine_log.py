@@ -89,3 +89,13 @@ def test_engine_launch_ready_records_its_info(tmp_path, monkeypatch):
     got = json.loads(line)
     assert got["ray_s"] == 0.7 and got["vllm_init_s"] == 3.0 and got["learner_setup_s"] == 2.0
     assert got["engines_s"] == engines.info["engines_s"] and got["learner_pids"] == [12]
+
+
+def test_record_actors_is_off_without_the_hook_and_waits_on_nothing(monkeypatch):
+    """Unset, a start outside `EngineLaunch.ready` records nothing and never asks its actors."""
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"asked the actor for {name}")
+
+    monkeypatch.delenv(engine_log.TEST_ENGINE_LOG)
+    engine_log.record_actors("eval", 0.0, [Untouchable()], [Untouchable()])

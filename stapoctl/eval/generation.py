@@ -71,10 +71,7 @@ def generate_remaining(conf: Any, jobs: list[dict], model_path: str, max_respons
         max_model_len = max(job["max_model_len"] for job in jobs if job["todo"])
         with console.status(f"starting {int(conf.rollout.num_workers)} vLLM worker(s) for {escape(str(model_path))}"):
             workers = start_workers(conf, model_path, max_model_len)
-            if engine_log.enabled():  # tests only: the suite's start-up table
-                init_s = max(x["init_s"] for x in ray.get([w.info.remote() for w in workers]))
-                engine_log.record_start({"ray_s": t_ray, "vllm_init_s": init_s, "learner_setup_s": 0.0,
-                                         "engines_s": time.perf_counter() - t0}, kind="eval")
+            engine_log.record_actors("eval", t0, workers, t_ray=t_ray)  # tests only: the start-up table
             scorer = reward_pool(conf.reward)
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)

@@ -32,6 +32,21 @@ def enabled() -> bool:
     return bool(os.environ.get(TEST_ENGINE_LOG))
 
 
+def record_actors(kind: str, t0: float, workers=(), setup_refs=(), t_ray: float = 0.0) -> None:
+    """A start that is not `EngineLaunch.ready`'s (eval's workers, a judge, a test's hand-built
+    actors): waits for its vLLM actors' `info` and its learner ranks' set-up, then records the
+    phases as `Engines.info` has them. Off (no wait, no file) unless the hook is set."""
+    if not enabled():
+        return
+    import ray
+
+    worker_info = ray.get([w.info.remote() for w in workers])
+    learner_info = ray.get(list(setup_refs))
+    record_start({"ray_s": t_ray, "vllm_init_s": max([w["init_s"] for w in worker_info], default=0.0),
+                  "learner_setup_s": max([x["setup_s"] for x in learner_info], default=0.0),
+                  "engines_s": time.perf_counter() - t0}, kind=kind)
+
+
 def record_start(info: dict, log: Optional[str] = None, kind: str = "train") -> None:
     """Append `info` (an `Engines.info`) + its kind, pid, time and the running test to the hook's file."""
     path = log or os.environ.get(TEST_ENGINE_LOG)

@@ -81,12 +81,7 @@ class ModelVerifier:
         t_ray = time.perf_counter() - t0
         spec = EngineSpec(model_path=model_path, max_model_len=max_model_len, dtype=dtype)
         self.worker = make_rollout_worker(spec, num_cpus=num_cpus, num_gpus=num_gpus)
-        if engine_log.enabled():  # tests only (the suite's start-up table): waits for the judge to be up
-            import ray
-
-            init_s = ray.get(self.worker.info.remote())["init_s"]
-            engine_log.record_start({"ray_s": t_ray, "vllm_init_s": init_s, "learner_setup_s": 0.0,
-                                     "engines_s": time.perf_counter() - t0}, kind="judge")
+        engine_log.record_actors("judge", t0, [self.worker], t_ray=t_ray)  # tests only: the start-up table
         self.calls = 0
         self.flipped = 0
 
