@@ -153,15 +153,21 @@ def ray_head():
 # them and, between runs whose engine key agrees (`trainer/session.py engine_key`), a learner reset
 # + weight push instead of a new start. The tests that use it run last, module by module in
 # POOL_ORDER, so modules whose runs have the same key follow each other: first the embedded
-# default's key (1 worker, sync, fp32, default lengths), then pinned threads, two workers, other
-# transports. Every other test (those modules' engine-free ones and their own-process chains
+# default's key (1 worker, sync, fp32, default lengths), then two workers, other transports, bf16.
+# Every start's reason (the settings that changed, or "previous engines discarded") is in the
+# table at the end of the run. Every other test (those modules' engine-free ones and their own-process chains
 # included) runs before, in its usual order, with no pool alive.
 POOL_ORDER = (
     "test_scale_out.py",  # 2x2 (its resume on the same engines), then the embedded default's key
-    "test_train_e2e.py", "test_resume_retention_e2e.py", "test_session.py",  # ends on fresh default engines
+    "test_train_e2e.py", "test_sweep_e2e.py",  # the sweep's in-process resume on the default's engines
+    "test_weight_sync.py",  # its learner reset to its own settings on those engines
+    "test_resume_retention_e2e.py", "test_session.py",  # ends on fresh default engines
     "test_fault_recovery.py",  # P3 on those; P4 on fresh ones after P3's learner died
-    "test_recipes_e2e.py",  # fp32 on P4's engines, then bf16
-    "test_async.py", "test_dynamic_sampling.py", "test_weight_transport_e2e.py", "test_weight_sync_faults.py",
+    "test_async.py",  # rollout threads pinned to every core: the default's engines in sync and async mode
+    "test_dynamic_sampling.py",  # sync on the default's engines, then async on two workers
+    "test_weight_transport_e2e.py",  # the object store on those two workers, then gloo, then TP 2
+    "test_weight_sync_faults.py",  # fresh engines (its hooks' variables)
+    "test_recipes_e2e.py",  # bf16
 )
 _SHARED: dict = {}  # fixture name → how to stop it early
 
@@ -326,8 +332,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for s in sorted(starts, key=lambda s: s.get("time", 0.0)):
         phases = " ".join(f"{float(s.get(p, 0.0)):15.1f}" for p in _PHASES)
         where = "this process" if s.get("pid") == os.getpid() else "child"
+        why = f"  [{s['reason'][:70]}]" if s.get("reason") else ""
         terminalreporter.write_line(f"{phases}  {s.get('kind', 'train'):<8} {s.get('pid', 0):>8}  "
-                                    f"{s.get('module') or '?'} ({where})")
+                                    f"{s.get('module') or '?'} ({where}){why}")
     seconds = sum(float(s.get("engines_s", 0.0)) for s in starts)
     terminalreporter.write_line(f"{len(starts)} engine starts, {seconds:.0f} s")
 

@@ -9,12 +9,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytestmark = pytest.mark.e2e
 
-COMMON = ["trainer.total_steps=3", "trainer.save_freq=0", "eval.every_n_steps=0", "rollout.num_threads=1",
-          "learner.num_threads=1", "rollout.old_logprob_source=recompute", "learner.ppo_mini_batch_size=2"]
+# The same rollout threads in both modes (vLLM's are fixed at its start; auto would give the sync
+# run every core and the async ones their share): every core, as the embedded default's sync runs
+# have them, so these runs share the suite's default engines (tests/conftest.py POOL_ORDER).
+COMMON = ["trainer.total_steps=3", "trainer.save_freq=0", "eval.every_n_steps=0",
+          f"rollout.num_threads={len(os.sched_getaffinity(0))}", "learner.num_threads=1",
+          "rollout.old_logprob_source=recompute", "learner.ppo_mini_batch_size=2"]
 EXACT = ("batch/fingerprint", "critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
          "actor/pg_clipfrac", "stapo/spurious_ratio", "rollout/logprob_diff_max")
 

@@ -1,11 +1,13 @@
 """Data-parallel learner: 2 ranks (gloo, two Ray actors) compute the update 1 rank computes.
 
-Both groups run the real DeepSpeed engine in Ray actors and get the same fixed batch. The loss
+Both run the real DeepSpeed engine and get the same fixed batch: the 2-rank group in Ray actors,
+the 1-rank reference in this process (as tests/test_learner.py runs it; a Ray actor would add an
+engine start that tests nothing). The loss
 normaliser and the mini-batch statistics (h*, the token-mean denominator) must be global, the
 gradients all-reduced into a sum, the metrics combined over ranks — any of these done per rank
-shows up as a difference in loss, grad norm or weights. The same two groups are `reset` between
-cases (ZeRO stage, loss), which also exercises the learner reuse sweeps depend on: a reset rank
-must start from the base weights with a fresh optimizer.
+shows up as a difference in loss, grad norm or weights. Both are `reset` between cases (ZeRO
+stage, loss), which also exercises the learner reuse sweeps depend on: a reset rank must start
+from the base weights with a fresh optimizer.
 """
 
 from __future__ import annotations
@@ -46,20 +48,22 @@ def groups(tmp_path_factory, ray_runtime):
     from stapoctl.learner.deepspeed_learner import make_learner_group
     from stapoctl.models.tiny import build_random
 
+    from stapoctl.learner.deepspeed_learner import Learner
+
     model_dir = str(build_random(tmp_path_factory.mktemp("tiny_random"), TinyModelConfig(), seed=0))
     was_up = ray.is_initialized()
     ensure_ray(None)
-    made = {}
-    for ranks in (1, 2):
-        t0 = time.perf_counter()
-        made[ranks], setup_refs = make_learner_group(model_dir, learner_cfg(0, ranks), loss_cfg("grpo"), n_per_prompt=N,
-                                                     temperature=1.0, dtype="float32", seed=0)
-        count_engine_start(t0, (), setup_refs)
-    yield {"dir": model_dir, **made}
-    for handles in (made[1], made[2]):
-        ray.get([h.shutdown.remote() for h in handles])
-        for h in handles:
-            ray.kill(h)
+    t0 = time.perf_counter()
+    two, setup_refs = make_learner_group(model_dir, learner_cfg(0, 2), loss_cfg("grpo"), n_per_prompt=N,
+                                         temperature=1.0, dtype="float32", seed=0)
+    count_engine_start(t0, (), setup_refs)
+    one = Learner(rank=0, world_size=1)
+    one.setup(model_dir, learner_cfg(0, 1), loss_cfg("grpo"), n_per_prompt=N, temperature=1.0, dtype="float32", seed=0)
+    yield {"dir": model_dir, 1: one, 2: two}
+    one.shutdown()
+    ray.get([h.shutdown.remote() for h in two])
+    for h in two:
+        ray.kill(h)
     if not was_up:
         ray.shutdown()
 
@@ -67,6 +71,9 @@ def groups(tmp_path_factory, ray_runtime):
 def run_case(handles, model_dir, zero_stage, loss, batch):
     import ray
 
+    if not isinstance(handles, list):  # the in-process 1-rank reference
+        handles.reset(model_dir, learner_cfg(zero_stage, 1), loss_cfg(loss), n_per_prompt=N, seed=0)
+        return handles.train_step(batch, 1), handles.full_state_dict()
     ranks = len(handles)
     ray.get([h.reset.remote(model_dir, learner_cfg(zero_stage, ranks), loss_cfg(loss), n_per_prompt=N, seed=0)
              for h in handles])

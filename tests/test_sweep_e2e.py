@@ -5,7 +5,9 @@ Two values × one seed × 4 steps, validating at the last step. The sweep runs a
 step, the process group gets Ctrl-C (SIGINT), as a terminal sends it: the trial finishes its
 step, writes a checkpoint and ends KILLED, and so does the sweep. Then
 `stapoctl sweep tau_p resume=<id prefix>` runs in this process and must run only the second
-trial, continuing its own run from that checkpoint on fresh engines.
+trial, continuing its own run from that checkpoint, on the suite's running engines (the pool's: a
+resume onto running engines; its own process would start them once, as test_sweep_parallel_e2e
+counts).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def _wait_for_second_trial_step(client, proc, log: Path, timeout_s: float = 420)
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory, shared_home):
+def sweep(tmp_path_factory, shared_home, engine_pool):
     import mlflow
     import psutil
     from procs import alive
@@ -99,7 +101,7 @@ def sweep(tmp_path_factory, shared_home):
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
     console = Console(width=160, record=True)
     try:
-        resume_rc = sweep_command("tau_p", [*args, f"resume={sweep_id[:8]}"], console)
+        resume_rc = sweep_command("tau_p", [*args, f"resume={sweep_id[:8]}"], console, session=engine_pool)
     finally:
         mp.undo()
     return dict(uri=uri, client=client, sweep_id=sweep_id, rc=rc, log=log.read_text(), leftovers=leftovers,
@@ -168,12 +170,13 @@ def test_parent_and_children_follow_the_layout(sweep):
 
 def test_the_interrupted_trial_continues_its_run_from_the_stop_checkpoint(sweep):
     """Trial 2 was stopped after a step on engines trial 1 had used; the resume continued the
-    same child run from the checkpoint the stop wrote, on fresh engines: every step logged once."""
+    same child run from the checkpoint the stop wrote, on the running engines of the suite's pool
+    (the key has no policy path): every step logged once."""
     client, sweep_id = sweep["client"], sweep["sweep_id"]
     runs = [r for r in _children(client, sweep_id) if r.data.tags["stapoctl.trial"] == "1"]
     assert len(runs) == 1 and runs[0].info.run_id in sweep["after_kill"]
     run = runs[0]
-    assert run.info.status == "FINISHED" and run.data.tags["stapoctl.engines_reused"] == "false"
+    assert run.info.status == "FINISHED" and run.data.tags["stapoctl.engines_reused"] == "true"
     for key in SAME:
         assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == list(range(1, TOTAL + 1)), key
     assert "engines reused" in sweep["log"]

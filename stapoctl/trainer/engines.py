@@ -266,6 +266,7 @@ class EngineLaunch:
     learners: list
     setup_refs: list
     marks: dict = field(default_factory=dict)  # the driver's start-up marks, epoch seconds (`startup_phases`)
+    reason: str = ""  # why these engines start (EngineSession: "first start", the settings that changed)
 
     def ready(self) -> Engines:
         import ray
@@ -302,6 +303,7 @@ class EngineLaunch:
                       "learner": [x.get("node_id", "") for x in learner_info]},
             "learner_pids": [x.get("pid", 0) for x in learner_info],
             "startup": startup_phases(self.marks, worker_info, learner_info),
+            "reason": self.reason,
         }
         say = ((lambda msg: self.console.print(msg, style="yellow", markup=False, highlight=False))
                if self.console is not None else None)

@@ -92,6 +92,7 @@ class EngineSession:
         self._launch: Any = None  # engines starting for `_launch_key` (see `prepare`)
         self._launch_key: Optional[str] = None
         self._launch_error: Optional[BaseException] = None
+        self._stopped = ""  # why the last engines went away (`discard`), for the next start's reason
 
     def __enter__(self) -> "EngineSession":
         return self
@@ -116,8 +117,10 @@ class EngineSession:
         if (self.engines is not None and key == self.key) or (self._launch is not None and key == self._launch_key):
             return
         if self.engines is not None:
-            self.console.print(f"starting new engines: {why_restart(self.parts, parts)}", markup=False,
-                               highlight=False)
+            reason = why_restart(self.parts, parts)
+            self.console.print(f"starting new engines: {reason}", markup=False, highlight=False)
+        else:
+            reason = self._stopped or "first start"
         self._cancel_launch()
         self._stop_engines()
         self.parts = parts
@@ -125,6 +128,7 @@ class EngineSession:
             was_up = ray.is_initialized()
             with self.console.status("starting Ray and the engine actors…"):
                 self._launch, self._launch_key = launch_engines(conf, policy_path, self.console, reference_path), key
+            self._launch.reason = reason
             self.started_ray = self.started_ray or not was_up
         except Exception as exc:
             self.started_ray = self.started_ray or ray.is_initialized()
@@ -162,7 +166,7 @@ class EngineSession:
                                  f"{conf.learner.num_ranks} DeepSpeed learner rank(s) (ZeRO-{conf.learner.zero_stage})…"):
             self.engines = launch.ready()
         self.engines.info["reused"] = False
-        self.key = key
+        self.key, self._stopped = key, ""
         self.runs += 1
         return self.engines, self.scorer
 
@@ -183,6 +187,8 @@ class EngineSession:
 
     def discard(self) -> None:
         """Forget the engines after a failed run: they may hold a half-finished step."""
+        if self.engines is not None:
+            self._stopped = "previous engines discarded"
         self._stop_engines()
 
     def _stop_engines(self) -> None:
