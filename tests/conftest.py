@@ -155,8 +155,9 @@ def ray_head():
 # POOL_ORDER, so modules whose runs have the same key follow each other: first the embedded
 # default's key (1 worker, sync, fp32, default lengths), then two workers, other transports, bf16.
 # Every start's reason (the settings that changed, or "previous engines discarded") is in the
-# table at the end of the run. Every other test (those modules' engine-free ones and their own-process chains
-# included) runs before, in its usual order, with no pool alive.
+# table at the end of the run. Every other test (those modules' engine-free ones included) runs
+# before, in its usual order, with no pool alive; a pooled module's own-process chain (test_sweep_e2e's
+# sweep process, test_fault_recovery's P1/P2) runs beside the pool's idle engines.
 POOL_ORDER = (
     "test_scale_out.py",  # 2x2 (its resume on the same engines), then the embedded default's key
     "test_train_e2e.py", "test_sweep_e2e.py",  # the sweep's in-process resume on the default's engines

@@ -266,7 +266,10 @@ def test_a_refusal_is_one_line_and_exit_2():
 
 # -- end to end: the tiny default through the real engines ----------------------------------------
 E2E = ["trainer.dynamic_sampling=true", "eval.every_n_steps=0", "trainer.diagnostics_every=0"]
-TWO_WORKERS = ["rollout.num_workers=2", "rollout.cpus_per_worker=0.5", "learner.cpus=0.5"]
+# as test_weight_transport_e2e's two workers (threads and the push's bound are keys of the
+# engines): its object-store run, next in the suite, starts on this async run's engines
+TWO_WORKERS = ["rollout.num_workers=2", "rollout.cpus_per_worker=0.5", "learner.cpus=0.5", "rollout.num_threads=1",
+               "rollout.weight_sync_timeout_s=60"]
 
 
 def _state(run_dir: str, step: int) -> dict:

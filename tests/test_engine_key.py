@@ -121,3 +121,54 @@ def test_a_resumed_config_in_another_key_order_is_the_same_key(base):
     assert engine_key(back, str(base)) == engine_key(conf, str(base))
     assert why_restart(engine_parts(conf, str(base)), engine_parts(_conf("model.dtype=bfloat16"), str(base))) == \
         "model.dtype: 'float32' → 'bfloat16'"
+
+
+class _Launch:
+    """What `launch_engines` returns, without Ray or actors: `ready()` gives engines whose info
+    holds the reason the session set (as `EngineLaunch.ready` puts it there), or raises."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.reason = fail, None
+
+    def ready(self):
+        from types import SimpleNamespace
+
+        if self.fail:
+            raise RuntimeError("the engines did not come up")
+        return SimpleNamespace(info={"reason": self.reason}, shutdown=lambda: None)
+
+    def abort(self):
+        pass
+
+
+def test_every_start_says_why(base, monkeypatch):
+    """The reason a start records (`engines.info["reason"]`, the suite's start table): the first,
+    the settings that changed, a discard, a failed start, a prepared start that did not fit."""
+    from types import SimpleNamespace
+
+    import stapoctl.rollout.model_verifier as verifier
+    import stapoctl.trainer.engines as launching
+    from stapoctl.trainer.session import EngineSession
+
+    outcomes: list[bool] = []  # fail the next launch's ready()?
+    monkeypatch.setattr(launching, "launch_engines", lambda *a, **k: _Launch(outcomes.pop(0) if outcomes else False))
+    monkeypatch.setattr(verifier, "reward_pool", lambda *a, **k: SimpleNamespace(close=lambda: None))
+    session = EngineSession()
+    fp32, bf16, two = _conf(), _conf("model.dtype=bfloat16"), _conf("rollout.num_workers=2")
+
+    def start(conf) -> str:
+        engines, _ = session.acquire(conf, str(base))
+        return engines.info["reason"]
+
+    assert start(fp32) == "first start"
+    assert start(bf16) == "model.dtype: 'float32' → 'bfloat16'"
+    session.discard()
+    assert start(bf16) == "previous engines discarded"
+    outcomes.append(True)
+    with pytest.raises(RuntimeError):
+        start(fp32)
+    assert start(fp32) == "previous start failed"
+    session.prepare(two, str(base))  # prepared for two workers, then a run of one comes
+    assert start(fp32) == "a start prepared for other settings was cancelled"
+    session.close()
+    assert start(fp32) == "first start"

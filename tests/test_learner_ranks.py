@@ -45,10 +45,8 @@ def groups(tmp_path_factory, ray_runtime):
 
     from stapoctl.config.schema import TinyModelConfig
     from stapoctl.launch.ray_runtime import ensure_ray
-    from stapoctl.learner.deepspeed_learner import make_learner_group
+    from stapoctl.learner.deepspeed_learner import Learner, make_learner_group
     from stapoctl.models.tiny import build_random
-
-    from stapoctl.learner.deepspeed_learner import Learner
 
     model_dir = str(build_random(tmp_path_factory.mktemp("tiny_random"), TinyModelConfig(), seed=0))
     was_up = ray.is_initialized()

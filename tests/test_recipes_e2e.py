@@ -20,10 +20,11 @@ COMMON = ["trainer.total_steps=3", "trainer.save_freq=0", "eval.every_n_steps=0"
 def runs(training_store, engine_pool):
     from stapoctl.trainer.driver import train
     with training_store("recipes", COMMON) as t:
-        # one set of bf16 engines for the three (a reset between)
-        kl = train(t.conf(["loss=grpo", "loss.kl_coef=0.05", "loss.kl_estimator=k3", "loss.entropy_coef=0.001"]),
-                   console=t.console, session=engine_pool)
+        # one set of bf16 engines for the three (a reset between); the KL run second, on reused
+        # engines: its zero KL at step 1 then also says the reset reloaded the reference
         tr = train(t.conf(["loss=tr_grpo", "loss.kl_coef=0.001", "trainer.total_steps=2"]),
+                   console=t.console, session=engine_pool)
+        kl = train(t.conf(["loss=grpo", "loss.kl_coef=0.05", "loss.kl_estimator=k3", "loss.entropy_coef=0.001"]),
                    console=t.console, session=engine_pool)
         bf16 = train(t.conf(["loss.rollout_correction=token_tis"]), console=t.console, session=engine_pool)
         yield {"kl": kl, "tr": tr, "bf16": bf16, "uri": t.uri, "log": t.console.export_text()}

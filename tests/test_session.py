@@ -57,7 +57,7 @@ def test_reused_engines_give_a_fresh_runs_first_step(runs):
 
 def test_the_second_run_reused_the_engines(runs):
     assert runs["info"]["reused"] is True and runs["fresh_info"]["reused"] is False
-    # the start says why (the suite's start table and a sweep's log read it)
+    # the start says why (the suite's start table prints it)
     assert runs["fresh_info"]["reason"] == "previous engines discarded", runs["fresh_info"]["reason"]
     assert "engines reused (learner reset + weight sync in" in runs["log"]
     assert runs["log"].count("engines up in") == 1 + runs["a_started"]  # the fresh run B's (and run A's start)

@@ -65,6 +65,7 @@ def sweep(tmp_path_factory, shared_home, engine_pool):
     from procs import alive
     from rich.console import Console
 
+    from stapoctl.config.compose import compose_config
     from stapoctl.sweep.runner import sweep_command
 
     tmp = tmp_path_factory.mktemp("sweep_e2e")
@@ -101,6 +102,10 @@ def sweep(tmp_path_factory, shared_home, engine_pool):
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
     console = Console(width=160, record=True)
     try:
+        # the pool's engines for the trials' key (running already after test_train_e2e; started
+        # here when this module runs alone), so the resume runs on running engines either way
+        engine_pool.acquire(compose_config([*shared_home.overrides, *ARGS[2:], f"tracking.uri={uri}"]),
+                            str(shared_home.model_dir))
         resume_rc = sweep_command("tau_p", [*args, f"resume={sweep_id[:8]}"], console, session=engine_pool)
     finally:
         mp.undo()

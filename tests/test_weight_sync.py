@@ -8,6 +8,7 @@ vLLM's log-probs of fixed sequences before/after a sync, and the training canary
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,9 +38,11 @@ def engines(training_store, shared_home, engine_pool):
     (learner,), (worker,) = engines.learners, engines.workers
     ray.get(learner.reset.remote(model_dir, learner_cfg, loss_cfg, n_per_prompt=N, temperature=1.0, dtype="float32",
                                  seed=0))
-    engines.sync.push()
+    # pushes through the engines' own bookkeeping (the weight version a restarted actor is checked against)
+    sync = SimpleNamespace(push=engines.push_weights)
+    sync.push()
     info = ray.get(worker.info.remote())
-    yield {"worker": worker, "learner": learner, "sync": engines.sync, "pad": info["pad_token_id"], "dir": model_dir}
+    yield {"worker": worker, "learner": learner, "sync": sync, "pad": info["pad_token_id"], "dir": model_dir}
 
 
 def fixed_sequences(pad: int):

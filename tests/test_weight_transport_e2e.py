@@ -28,12 +28,15 @@ from test_weight_sync import fixed_sequences
 
 pytestmark = pytest.mark.e2e
 
-COMMON = ["trainer.total_steps=2", "trainer.save_freq=0", "eval.every_n_steps=0", "rollout.old_logprob_source=recompute"]
-GLOO = ["rollout.weight_sync=gloo", "rollout.weight_sync_timeout_s=60"]  # the rendezvous' bound (a key of the engines)
+COMMON = ["trainer.total_steps=2", "trainer.save_freq=0", "eval.every_n_steps=0", "rollout.old_logprob_source=recompute",
+          "rollout.weight_sync_timeout_s=60"]
+GLOO = ["rollout.weight_sync=gloo"]
 ASYNC = ["trainer.mode=async"]
-TWO_WORKERS = ["rollout.num_workers=2", "rollout.cpus_per_worker=0.5", "learner.cpus=0.5"]
-# the rollout threads pinned: auto gives the one TP engine both cores in sync mode and its share (1)
-# in async mode, and vLLM's threads are fixed at its start, so sync → async would start new engines
+# The rollout threads pinned (vLLM's are fixed at its start, so they are a key of the engines): auto
+# gives a sync run its share of every core and an async one its CPU share, which differ on most
+# machines. Two workers as test_dynamic_sampling's async run has them: the object store's run
+# below starts on those engines.
+TWO_WORKERS = ["rollout.num_workers=2", "rollout.cpus_per_worker=0.5", "learner.cpus=0.5", "rollout.num_threads=1"]
 TP2 = ["rollout.tensor_parallel_size=2", "rollout.num_threads=1"]
 
 

@@ -16,9 +16,8 @@ parallelism (`cluster.array_parallelism`).
 from __future__ import annotations
 
 import contextlib
-
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from rich.console import Console
 from rich.markup import escape
@@ -33,19 +32,26 @@ from stapoctl.sweep.outcome import (Outcome, alarm_line, alarm_outcome, attempt_
 from stapoctl.sweep.plan import Trial, check_plan, compose_trial, plan_trials
 from stapoctl.sweep.signals import signals_as_interrupt, signals_deferred
 
+if TYPE_CHECKING:
+    from stapoctl.trainer.session import EngineSession
+
 # on a resume, overrides may add or change where and how the trials run, not what they compute
 RESUME_MAY_CHANGE = ("tracking.", "cluster.")
 
 
-def sweep_command(name: str, args: list[str], console: Console, dry_run: bool = False, session=None) -> int:
+def sweep_command(name: str, args: list[str], console: Console, dry_run: bool = False,
+                  session: Optional["EngineSession"] = None) -> int:
     """The CLI's entry: parse, run; returns the exit code (0 all finished, 1 some failed)."""
     return run_sweep(parse_command(name, args), console, dry_run=dry_run, session=session)
 
 
-def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False, session=None) -> int:
+def run_sweep(command: SweepCommand, console: Console, dry_run: bool = False,
+              session: Optional["EngineSession"] = None) -> int:
     """`session`: an `EngineSession` the caller owns (a script running several sweeps, the test
     suite's pool) for trials that run here one after another: they start on its engines when the
-    key agrees, and it stays open. Default: one of the sweep's own, closed at its end."""
+    key agrees, a failed or stopped trial discards them (as the sweep's own), and it stays open,
+    its Ray too. Default: one of the sweep's own, closed at its end. Trials that run as their own
+    processes or jobs (`max_parallel`, `cluster=ray|slurm`) start their own engines: it is unused."""
     definition, extra, parent, confirmation = _design(command, console, dry_run)
     confs = check_plan(definition, extra)
     first = next(iter(confs.values()))
@@ -270,7 +276,7 @@ def _still_stopping(running: list, parent) -> None:
 
 
 # -- the loop ----------------------------------------------------------------------------------
-def _session(own, console: Console):
+def _session(own: Optional["EngineSession"], console: Console):
     """The caller's `EngineSession` (left open) or the sweep's own (closed at its end)."""
     from stapoctl.trainer.session import EngineSession
 
@@ -278,7 +284,8 @@ def _session(own, console: Console):
 
 
 def _run_trials(definition: SweepDefinition, sweep_id: str, trials: list[Trial], todo: list[Trial],
-                records: dict, uri: Optional[str], experiment: str, console: Console, own_session=None) -> int:
+                records: dict, uri: Optional[str], experiment: str, console: Console,
+                own_session: Optional["EngineSession"] = None) -> int:
     from stapoctl.sweep.progress import SweepView
     from stapoctl.trainer.driver import train
     from stapoctl.trainer.signals import signal_name

@@ -92,7 +92,7 @@ class EngineSession:
         self._launch: Any = None  # engines starting for `_launch_key` (see `prepare`)
         self._launch_key: Optional[str] = None
         self._launch_error: Optional[BaseException] = None
-        self._stopped = ""  # why the last engines went away (`discard`), for the next start's reason
+        self._stopped = ""  # what ended the last engines or start (a discard, a failure), for the next start's reason
 
     def __enter__(self) -> "EngineSession":
         return self
@@ -116,14 +116,12 @@ class EngineSession:
         key = _canonical(parts)
         if (self.engines is not None and key == self.key) or (self._launch is not None and key == self._launch_key):
             return
+        reason = self._reason(parts)
         if self.engines is not None:
-            reason = why_restart(self.parts, parts)
             self.console.print(f"starting new engines: {reason}", markup=False, highlight=False)
-        else:
-            reason = self._stopped or "first start"
         self._cancel_launch()
         self._stop_engines()
-        self.parts = parts
+        self.parts, self._stopped = parts, ""
         try:
             was_up = ray.is_initialized()
             with self.console.status("starting Ray and the engine actors…"):
@@ -132,7 +130,16 @@ class EngineSession:
             self.started_ray = self.started_ray or not was_up
         except Exception as exc:
             self.started_ray = self.started_ray or ray.is_initialized()
-            self._launch_error, self._launch_key = exc, key
+            self._launch_error, self._launch_key, self._stopped = exc, key, "previous start failed"
+
+    def _reason(self, parts: dict) -> str:
+        """Why engines for `parts` start now (`engines.info["reason"]`: the suite's start table
+        prints it): the settings that differ from the last engines', or what ended those."""
+        if self.engines is None and self._stopped:
+            return self._stopped
+        if self.parts is None:
+            return "first start"
+        return why_restart(self.parts, parts) or "new engines for the same settings"
 
     def acquire(self, conf: DictConfig, policy_path: str, reference_path: Optional[str] = None) -> tuple[Any, Any]:
         """Engines ready for a new run of `conf` starting from `policy_path`'s weights (its KL
@@ -145,6 +152,7 @@ class EngineSession:
         key = engine_key(conf, policy_path, reference_path)
         if self._launch_key is not None and self._launch_key != key:
             self._cancel_launch()  # prepared for another config
+            self._stopped = "a start prepared for other settings was cancelled"
         if self._launch_error is not None:
             exc, self._launch_error, self._launch_key = self._launch_error, None, None
             raise exc
@@ -164,7 +172,11 @@ class EngineSession:
         launch, self._launch, self._launch_key = self._launch, None, None
         with self.console.status(f"starting {conf.rollout.num_workers} vLLM rollout actor(s) and "
                                  f"{conf.learner.num_ranks} DeepSpeed learner rank(s) (ZeRO-{conf.learner.zero_stage})…"):
-            self.engines = launch.ready()
+            try:
+                self.engines = launch.ready()
+            except BaseException:
+                self._stopped = "previous start failed"
+                raise
         self.engines.info["reused"] = False
         self.key, self._stopped = key, ""
         self.runs += 1
@@ -204,6 +216,7 @@ class EngineSession:
             self._cancel_launch()
             self._stop_engines()
         finally:
+            self.parts, self._stopped = None, ""
             if self.scorer is not None:
                 self.scorer.close()
                 self.scorer = None
