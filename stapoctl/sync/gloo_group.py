@@ -10,11 +10,23 @@ from __future__ import annotations
 import datetime
 
 
-def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float):
+def listen(host: str, world_size: int, timeout_s: float):
+    """Rank 0's store, listening now on a port the OS picks (its `.port`, for the other ranks):
+    a port found free first and bound later may be taken meanwhile (EADDRINUSE, seen when two
+    test sessions shared a machine). It waits for no one: `open_group(..., store=)` does."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, int(world_size), True, timeout=datetime.timedelta(seconds=float(timeout_s)),
+                         wait_for_workers=False)
+
+
+def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float, store=None):
+    """The group, once every rank has joined; rank 0 passes its `listen` store (`port` unused)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=float(timeout_s))
-    store = dist.TCPStore(host, int(port), int(world_size), rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(host, int(port), int(world_size), rank == 0, timeout=timeout)
     return dist.ProcessGroupGloo(dist.PrefixStore("stapoctl-weights", store), int(rank), int(world_size), timeout)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
@@ -66,6 +67,7 @@ class CollectiveTrainer(TrainerWeightTransferEngine[CollectiveInitInfo]):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         if not engine.is_sender:
             return engine  # other ranks only join the source's gathers
+        init_info = engine.listen(init_info)
         # both ends at once (each blocks in the rendezvous until the other arrives); a worker that fails
         # to join raises here at once instead of leaving rank 0 in NCCL's init, which has no timeout
         exe = ThreadPoolExecutor(max_workers=2)
@@ -110,6 +112,10 @@ class CollectiveTrainer(TrainerWeightTransferEngine[CollectiveInitInfo]):
         self.client.finish_weight_update()
 
     # -- per backend -----------------------------------------------------------------------------
+    def listen(self, info: CollectiveInitInfo) -> CollectiveInitInfo:
+        """Rank 0's endpoint listening before the workers are told where (the info they get)."""
+        return info
+
     def worker_init(self, info: CollectiveInitInfo) -> dict:
         raise NotImplementedError
 
@@ -139,13 +145,20 @@ def checked(pairs, info: dict):
 
 class GlooTrainer(CollectiveTrainer):
     bucket_bytes = buckets.DEFAULT_BUCKET_BYTES
+    _store: Any = None
+
+    def listen(self, info: CollectiveInitInfo) -> CollectiveInitInfo:
+        """The store bound first, on a port the OS picks: the workers join that one."""
+        self._store = gloo_group.listen(info.master_address, info.world_size, info.timeout_s)
+        return dataclasses.replace(info, master_port=int(self._store.port))
 
     def worker_init(self, info: CollectiveInitInfo) -> dict:
         return {"master_address": info.master_address, "master_port": info.master_port,
                 "world_size": info.world_size, "timeout_s": info.timeout_s, "bucket_bytes": self.bucket_bytes}
 
     def open_endpoint(self, info: CollectiveInitInfo) -> Any:
-        return gloo_group.open_group(info.master_address, info.master_port, 0, info.world_size, info.timeout_s)
+        return gloo_group.open_group(info.master_address, info.master_port, 0, info.world_size, info.timeout_s,
+                                     store=self._store)
 
     def broadcast_all(self, pairs, info: dict) -> None:
         """Bucket by bucket; a bucket's tensors are copied into its buffer while each is gathered."""
