@@ -16,6 +16,7 @@ must show its payloads to vLLM before it lands.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -63,8 +64,15 @@ def _link(module, workers: int, tp: int):
                                 master_address="10.0.0.7", master_port=29511, tp_size=tp, timeout_s=45.0)
 
 
+LISTENED = 29600  # the port gloo's store would have been given by the OS (`GlooTrainer.listen`)
+
+
 def _no_endpoint(monkeypatch, cls):
+    from stapoctl.sync.trainer_engines import CollectiveTrainer
+
     monkeypatch.setattr(cls, "open_endpoint", lambda self, info: None)  # the GPU's / TCPStore's side
+    if cls.listen is not CollectiveTrainer.listen:  # gloo binds its store first: the workers get its port
+        monkeypatch.setattr(cls, "listen", lambda self, info: dataclasses.replace(info, master_port=LISTENED))
 
 
 def _cuda_queries(monkeypatch):
@@ -121,7 +129,8 @@ def test_every_init_payload_is_accepted_by_vllms_worker_engine(name, workers, tp
     if TRANSPORTS[name].rendezvous:
         assert [p.rank_offset for p in parsed] == [1 + i * tp for i in range(workers)]
         assert {p.world_size for p in parsed} == {1 + workers * tp}
-        assert {(p.master_address, p.master_port) for p in parsed} == {("10.0.0.7", 29511)}
+        port = LISTENED if name == "gloo" else 29511  # gloo: the port its store listens on; NCCL: the learner's
+        assert {(p.master_address, p.master_port) for p in parsed} == {("10.0.0.7", port)}
     else:
         assert all("rank_offset" not in p for p in payloads)
 
