@@ -13,9 +13,9 @@ classes in tests/test_transport_contracts.py.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
