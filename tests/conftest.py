@@ -165,6 +165,7 @@ POOL_ORDER = (
     "test_resume_retention_e2e.py", "test_session.py",  # ends on fresh default engines
     "test_fault_recovery.py",  # P3 on those; P4 on fresh ones after P3's learner died
     "test_async.py",  # rollout threads pinned to every core: the default's engines in sync and async mode
+    "test_sampling_contract_e2e.py",  # test_async's pins: T != 1 and top-p < 1 on those engines
     "test_dynamic_sampling.py",  # sync on the default's engines, then async on two workers
     "test_weight_transport_e2e.py",  # the object store on those two workers, then gloo, then TP 2
     "test_weight_sync_faults.py",  # fresh engines (its hooks' variables)

@@ -38,6 +38,9 @@ ROWS = [
     ("response_over_context", ["train", "rollout.max_response_length=1000"],
      "exceed the model's context of 512 (model.tiny.max_position_embeddings)"),
     ("top_p_zero", ["train", "rollout.top_p=0"], "rollout.top_p=0.0 must lie in (0, 1]"),
+    # greedy rollouts: vLLM refuses n > 1 and the learner replays only tempered sampling (issue #48)
+    ("temperature_zero", ["train", "rollout.temperature=0"],
+     "rollout.temperature=0.0 must lie in [1e-05, inf) (vLLM decodes greedily below 1e-5"),
     ("zero_stage", ["train", "learner.zero_stage=4"], "learner.zero_stage=4 must be 0, 1, 2 or 3"),
     ("verify_timeout_zero", ["train", "reward.verify_timeout_s=0"], "reward.verify_timeout_s=0.0"),
     ("tr_grpo_weights_swapped", ["train", "loss=tr_grpo", "loss.weight_low=2"],

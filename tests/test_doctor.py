@@ -220,11 +220,13 @@ CHECKS = ["config", "versions", "CUDA", "NCCL", "GPUs", "model + tokenizer", "da
 
 @pytest.mark.engine
 def test_doctor_passes_here_on_the_tiny_config_with_two_gloo_workers(shared_home, tmp_path):
-    """The run's own topology: 2 rollout workers linked over gloo, each its own rank, each synced."""
+    """The run's own topology: 2 rollout workers linked over gloo, each its own rank, each synced. The run
+    samples at T=0.7, top-p 0.9: the weight-sync row still compares the model's own log-probs (vLLM's
+    prompt log-probs are untempered in every logprobs_mode), so the learner scores at T = 1 (#48)."""
     t0 = time.monotonic()
     res = doctor(shared_home, f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", "rollout.num_workers=2",
                  "rollout.weight_sync=gloo", "rollout.weight_sync_timeout_s=60", "rollout.cpus_per_worker=0.5",
-                 "learner.cpus=0.5")
+                 "learner.cpus=0.5", "rollout.temperature=0.7", "rollout.top_p=0.9")
     found = table_rows(res.stdout)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert list(found) == CHECKS, res.stdout

@@ -253,7 +253,8 @@ def test_the_knobs_default_off_and_their_values_are_checked():
         compose_config(["trainer.max_gen_batches=-1"])
     with pytest.raises(UserError, match=r"trainer\.dynamic_sampling_metric=reward must be acc or score"):
         compose_config(["trainer.dynamic_sampling_metric=reward"])
-    with pytest.raises(UserError, match=r"needs rollout\.temperature > 0"):
+    # greedy rollouts (identical responses: every group dropped) are refused for every run now (#48)
+    with pytest.raises(UserError, match=r"rollout\.temperature=0\.0 must lie in \[1e-05, inf\)"):
         compose_config(["trainer.dynamic_sampling=true", "rollout.temperature=0"])
 
 

@@ -27,7 +27,9 @@ class RolloutConfig:
     placement_strategy: str = spec("PACK", choices=STRATEGIES)  # Ray placement groups
     tensor_parallel_size: int = spec(1, range=POSITIVE_INT)
     n: int = spec(8, range="[2, inf)", why="group advantages compare each response with the rest of its group")
-    temperature: float = spec(1.0, range=NON_NEGATIVE)
+    # > 0: vLLM samples greedily below 1e-5 (and refuses n > 1 there); the learner replays tempered sampling
+    temperature: float = spec(1.0, range="[1e-05, inf)",
+                              why="vLLM decodes greedily below 1e-5: use a temperature > 0, e.g. 0.6")
     top_p: float = spec(1.0, range="(0, 1]")
     max_response_length: int = spec(48, range=POSITIVE_INT)
     # GPU: the share of a GPU vLLM takes; null = auto: 0.9 for a GPU of its own (disaggregated, as
@@ -40,8 +42,9 @@ class RolloutConfig:
     # null = auto: eager on CPU (vLLM-CPU compiles slowly and gains nothing here), CUDA graphs on a GPU
     enforce_eager: Optional[bool] = None
     # old log-probs for the ratio: "recompute" with the learner (verl style), take vLLM's "rollout"
-    # (equal to the learner's in fp32 at T=1: one forward pass less per step), or "auto" (rollout
-    # where they match — synchronous, fp32, T=1 — recompute elsewhere)
+    # (the sampling distribution's, as the learner's are: equal in fp32 at any temperature and top-p,
+    # one forward pass less per step), or "auto" (rollout where they match — synchronous, fp32 —
+    # recompute elsewhere)
     old_logprob_source: str = spec("auto", choices=("auto", "recompute", "rollout"))
     # with vLLM's log-probs as old ones, measure the learner's anyway every N steps (and at the first):
     # the sync canary rollout/logprob_diff_max and the token diagnostics need that pass

@@ -104,9 +104,6 @@ def _check_cross_fields(conf: DictConfig) -> None:
     if str(r.weight_sync) in GPU_TRANSPORTS and not asks_gpus(conf):
         raise UserError(f"rollout.weight_sync={r.weight_sync} needs GPUs; on CPU use auto or object_store")
     _check_transport_layout(str(r.weight_sync), str(lrn.get("placement") or "disaggregated"))
-    if t.get("dynamic_sampling") and float(r.temperature) == 0:
-        raise UserError("trainer.dynamic_sampling=true needs rollout.temperature > 0: greedy decoding makes the n "
-                        "responses of a prompt identical, so every group would be dropped")
     buffer = int(conf.reward.get("overlong_buffer") or 0)
     if buffer and buffer >= int(r.max_response_length):
         raise UserError(f"reward.overlong_buffer={buffer} must be below rollout.max_response_length="

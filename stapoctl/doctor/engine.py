@@ -104,7 +104,8 @@ def canary(engines: Any, model_path: str) -> tuple[float, float, float]:
 
     batch = fixed_batch(model_path, int(engines.info.get("pad_token_id") or 0))
     ray.get([h.perturb_weights.remote(PERTURB_SCALE, seed=7, relative=True) for h in engines.learners])
-    learner_lp = ray.get([h.compute_log_probs.remote(batch) for h in engines.learners])[0]["log_prob"]
+    # at T = 1 without top-p: vLLM's prompt log-probs are the model's own whatever the run samples with
+    learner_lp = ray.get([h.compute_log_probs.remote(batch, raw=True) for h in engines.learners])[0]["log_prob"]
 
     def diffs() -> list[float]:
         return [_max_diff(s, learner_lp, batch.response_mask)

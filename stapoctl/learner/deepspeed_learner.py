@@ -57,6 +57,7 @@ def make_learner_group(
     n_per_prompt: int,
     temperature: float,
     dtype: str,
+    top_p: float = 1.0,
     seed: int,
     max_response_length: Optional[int] = None,
     reference_path: Optional[str] = None,
@@ -97,7 +98,7 @@ def make_learner_group(
                           "for what holds the resources") from None
     refs = [
         h.setup.remote(model_path, learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
-                       dtype=dtype, seed=seed, max_response_length=max_response_length,
+                       top_p=top_p, dtype=dtype, seed=seed, max_response_length=max_response_length,
                        reference_path=reference_path, master_addr=addr, master_port=port)
         for h in handles
     ]

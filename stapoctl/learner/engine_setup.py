@@ -155,6 +155,7 @@ class EngineSetup:
         *,
         n_per_prompt: int,
         temperature: float = 1.0,
+        top_p: float = 1.0,
         dtype: str = "float32",
         seed: int = 0,
         max_response_length: Optional[int] = None,
@@ -173,6 +174,7 @@ class EngineSetup:
         self._join_process_group(learner, master_addr, master_port)
         marks["process_group"] = time.time()  # DeepSpeed's import + init_distributed
         out = self.reset(model_path, learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
+                         top_p=top_p,
                          dtype=dtype, seed=seed, max_response_length=max_response_length,
                          reference_path=reference_path)
         marks["engine_built"] = time.time()  # model load, AdamW, deepspeed.initialize, KL reference
@@ -245,6 +247,7 @@ class EngineSetup:
         *,
         n_per_prompt: int,
         temperature: float = 1.0,
+        top_p: float = 1.0,
         dtype: str = "float32",
         seed: int = 0,
         max_response_length: Optional[int] = None,
@@ -262,7 +265,7 @@ class EngineSetup:
         self._release_engine()
         if not self.use_cuda:
             self._set_threads(learner)
-        self._set_run_config(learner, loss, n_per_prompt=n_per_prompt, temperature=temperature,
+        self._set_run_config(learner, loss, n_per_prompt=n_per_prompt, temperature=temperature, top_p=top_p,
                              max_response_length=max_response_length)
         bf16 = dtype in ("bfloat16", "bf16")
         model = self._load_model(model_path, learner, seed=seed, bf16=bf16)
@@ -284,13 +287,14 @@ class EngineSetup:
         torch.set_num_threads(threads)
 
     def _set_run_config(self, learner: dict, loss: dict, *, n_per_prompt: int, temperature: float,
-                        max_response_length: Optional[int]) -> None:
+                        top_p: float, max_response_length: Optional[int]) -> None:
         """The run's settings the PPO step reads; copies, so a caller's later edits don't leak in."""
         self.learner = dict(learner)
         self.loss_cfg = dict(loss)
         self.loss_name = self.loss_cfg["name"]
         self.n = int(n_per_prompt)
-        self.temperature = float(temperature)
+        # the rollout's sampling distribution, which every log-prob the learner returns is taken under
+        self.temperature, self.top_p = float(temperature), float(top_p)
         self.max_response_length = max_response_length
         self.zero_stage = int(learner["zero_stage"])
 

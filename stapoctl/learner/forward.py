@@ -49,13 +49,14 @@ class PolicyForward:
             keep = {"logits_to_keep": r + 1} if _keeps_logits(self.module) else {}
             logits = self.engine(input_ids=input_ids, attention_mask=attn, position_ids=pos, **keep).logits
             first = logits.shape[1] - (r + 1)  # p - 1 without logits_to_keep
-            return token_stats(logits[:, first : first + r], labels, chunk_size=chunk,
-                               temperature=self.temperature, return_sum_p2=True, **grad)
+            return token_stats(logits[:, first : first + r], labels, chunk_size=chunk, temperature=self.temperature,
+                               top_p=self.top_p, return_sum_p2=True, **grad)
         model = self.module if model is None else model
         share = shared_prefix.enabled(self.learner, self.device.type == "cuda")
         if packing.enabled(self.learner):
             stats = packing.packed_token_stats(model, mb, self.device, share, chunk_size=chunk,
-                                               temperature=self.temperature, return_sum_p2=True, **grad)
+                                               temperature=self.temperature, top_p=self.top_p,
+                                               return_sum_p2=True, **grad)
             if stats is not None:
                 return stats
             share = False  # no response token in the micro-batch: the plain forward below
@@ -66,8 +67,8 @@ class PolicyForward:
         if hidden is None:
             hidden = decoder(input_ids=input_ids, attention_mask=attn, position_ids=pos)
             hidden = hidden.last_hidden_state[:, p - 1 : p + r - 1]
-        return token_stats(hidden, labels, lm_head_weight=model.get_output_embeddings().weight,
-                           chunk_size=chunk, temperature=self.temperature, return_sum_p2=True, **grad)
+        return token_stats(hidden, labels, lm_head_weight=model.get_output_embeddings().weight, chunk_size=chunk,
+                           temperature=self.temperature, top_p=self.top_p, return_sum_p2=True, **grad)
 
     def _no_grad_pass(self, batch, rows: slice, model=None):
         """Entropy, log-prob and sum p² of batch[rows] in row order, micro-batch by micro-batch
@@ -87,12 +88,20 @@ class PolicyForward:
             self.module.train()
         return out[0], out[1], out[2]
 
-    def compute_log_probs(self, batch) -> dict:
-        """Learner log-probs and entropies of every response token (0 on padding), all ranks' rows."""
+    def compute_log_probs(self, batch, raw: bool = False) -> dict:
+        """Learner log-probs and entropies of every response token (0 on padding), all ranks' rows, under
+        the rollout's sampling distribution; `raw`: under the model's own (T = 1, no top-p), as vLLM's
+        prompt log-probs are (the doctor's weight-sync row)."""
         import torch
 
         mine = self._my_rows(len(batch))
-        ent, lp, p2 = self._no_grad_pass(batch, mine)
+        sampling = self.temperature, self.top_p
+        if raw:
+            self.temperature, self.top_p = 1.0, 1.0
+        try:
+            ent, lp, p2 = self._no_grad_pass(batch, mine)
+        finally:
+            self.temperature, self.top_p = sampling
         mask = batch.response_mask[mine]
         ent, lp, p2 = (torch.where(mask, t, 0.0) for t in (ent, lp, p2))
         ent, lp, p2 = (self._all_gather_rows(t) for t in (ent, lp, p2))

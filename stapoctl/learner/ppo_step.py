@@ -31,7 +31,7 @@ class PPOStep:
         returns the metrics and, for the driver, the measured log-probs and entropies (rank 0).
 
         old_logprob_source: "recompute" (a no-grad pass of the learner, verl style) or "rollout"
-        (vLLM's own log-probs, equal to the learner's in fp32 at T=1: the pass is skipped).
+        (vLLM's own log-probs of the sampling distribution, equal to the learner's in fp32: the pass is skipped).
         measure: run the no-grad pass anyway, for the sync canary `rollout/logprob_diff_max` and
         the token diagnostics (the driver asks for it on the first step and periodically).
         behavior: the batch was sampled by older weights than the learner's (asynchronous
@@ -66,6 +66,8 @@ class PPOStep:
         diff = torch.where(rmask, (stats["log_prob"] - batch.rollout_log_probs).abs(), 0.0)
         metrics["rollout/logprob_diff_max"] = float(diff.max()) if rmask.any() else 0.0
         metrics["rollout/logprob_diff_mean"] = float(diff.sum() / rmask.sum().clamp(min=1))
+        # in fp32 a token past float noise is one whose top-p kept set differs on the two sides (or wrong weights)
+        metrics["rollout/logprob_diff_frac_above_1e-4"] = float((diff > 1e-4).sum() / rmask.sum().clamp(min=1))
         return StepResult(metrics, old_log_probs=stats["log_prob"], entropy=stats["entropy"],
                           logprob_diff_rows=diff.max(dim=1).values)  # per row: which worker drifted
 

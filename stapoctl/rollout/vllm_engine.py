@@ -140,6 +140,12 @@ def engine_kwargs(spec: EngineSpec, on_gpu: bool) -> dict[str, Any]:
         # (`RolloutWorker._after_update`), so no cached block outlives the weights it was
         # computed with.
         enable_prefix_caching=True,
+        # The sampled token's log-prob under the distribution it was drawn from: after the temperature
+        # and top-p (renormalised over the kept set), not vLLM's default `raw_logprobs` (the model's own
+        # before either). The learner computes the same (`losses/token_stats.py`), so the PPO ratio, IS
+        # weights, drift and the sync canary compare like with like at any decoding setting. Prompt
+        # log-probs (`score_logprobs`) are the model's own in every mode (vLLM's note on the field).
+        logprobs_mode="processed_logprobs",
     )
     kwargs["distributed_executor_backend"] = executor_backend(spec, on_gpu)
     if spec.weight_transfer_backend:
@@ -229,7 +235,7 @@ def generate(
             temperature=temperature,
             top_p=top_p,
             max_tokens=max_tokens,
-            logprobs=0,  # the sampled token's own log-prob
+            logprobs=0,  # the sampled token's own log-prob (under T and top-p: `engine_kwargs`)
             seed=s,
             # Texts are decoded below in one batch call instead of token by token inside the
             # engine loop (which also decoded every log-prob's token), and log-probs come back

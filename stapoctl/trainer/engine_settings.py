@@ -43,14 +43,16 @@ def thread_counts(conf: DictConfig) -> tuple[int, int]:
 
 
 def old_logprob_source(conf: DictConfig) -> str:
-    """`auto`: vLLM's log-probs where they equal the learner's (synchronous, fp32, T=1: measured to
-    ~1e-6 here and watched by the canary), the learner's recompute elsewhere (bf16 kernels differ,
-    vLLM's log-probs are untempered, async training needs the proximal policy's)."""
+    """`auto`: vLLM's log-probs where they equal the learner's — synchronous and fp32, at any temperature
+    and top-p, since both sides give the sampling distribution's log-prob (`vllm_engine.engine_kwargs`'s
+    `processed_logprobs`, `losses/token_stats.py`): measured to ~1e-6 here and watched by the canary;
+    at top-p < 1 a position whose kept set differs on the two sides (≤ 1e-3 of them, measured) keeps
+    vLLM's value, the behaviour policy's own —; the learner's recompute elsewhere (bf16 kernels differ,
+    async training needs the proximal policy's)."""
     source = str(conf.rollout.old_logprob_source)
     if source != "auto":
         return source
-    exact = (conf.trainer.mode == "sync" and conf.model.dtype in ("float32", "fp32")
-             and float(conf.rollout.temperature) == 1.0)
+    exact = conf.trainer.mode == "sync" and conf.model.dtype in ("float32", "fp32")
     return "rollout" if exact else "recompute"
 
 
@@ -79,7 +81,7 @@ def learner_args(conf: DictConfig, reference_path: Optional[str] = None) -> dict
     return dict(
         learner=learner,
         loss=OmegaConf.to_container(conf.loss, resolve=True),
-        n_per_prompt=int(r.n), temperature=float(r.temperature), dtype=conf.model.dtype,
+        n_per_prompt=int(r.n), temperature=float(r.temperature), top_p=float(r.top_p), dtype=conf.model.dtype,
         seed=int(conf.trainer.seed), max_response_length=int(r.max_response_length),
         reference_path=reference_path,
     )
