@@ -199,36 +199,6 @@ def test_the_plan_counts_the_ipc_push_buffer():
     assert "weight_push_buffer" not in build_plan(disaggregated).role("learner").parts
 
 
-def test_the_sync_canary_names_the_worker_above_the_tolerance_of_its_dtype():
-    from stapoctl.config.alarms import AlarmLimits
-    from stapoctl.trainer.sync_canary import SyncCanary
-
-    names = {0: "rollout worker 0 (pid 11, node 10.0.0.1)", 1: "rollout worker 1 (pid 12, node 10.0.0.2)"}
-    fp32 = SyncCanary(AlarmLimits(), "float32", "gloo", names.get)
-    assert fp32.feed(1, {"rollout/logprob_diff_max": 3e-6, "rollout/logprob_diff_max/worker_0": 2e-6,
-                         "rollout/logprob_diff_max/worker_1": 3e-6}) == []
-    [alarm] = fp32.feed(2, {"rollout/logprob_diff_max": 4e-3, "rollout/logprob_diff_max/worker_0": 2e-6,
-                            "rollout/logprob_diff_max/worker_1": 4e-3})
-    assert alarm.name == "sync_canary" and alarm.action == "stop"
-    assert "rollout worker 1 (pid 12, node 10.0.0.2)'s log-probs are 4.00e-03" in alarm.message
-    assert "after the gloo push" in alarm.message and "tolerance 0.0001 in float32" in alarm.message
-    assert fp32.feed(3, {"rollout/logprob_diff_max/worker_0": 1.0}) == []  # once a run
-    bf16 = SyncCanary(AlarmLimits(), "bfloat16", "object_store")
-    assert bf16.feed(1, {"rollout/logprob_diff_max": 0.2}) == []  # the bf16 mismatch is not a failed sync
-    [one] = SyncCanary(AlarmLimits(), "float32", "object_store").feed(4, {"rollout/logprob_diff_max": 1e-3})
-    assert "rollout worker 0's log-probs are 1.00e-03" in one.message  # one worker: the overall canary
-    assert SyncCanary(AlarmLimits(sync_canary_fp32=0.0), "float32", "gloo").feed(1, {"rollout/logprob_diff_max": 9.0}) == []
-
-
-def test_a_stale_async_step_is_not_a_failed_sync():
-    from stapoctl.config.alarms import AlarmLimits
-    from stapoctl.trainer.sync_canary import SyncCanary
-
-    canary = SyncCanary(AlarmLimits(), "float32", "gloo")
-    assert canary.feed(3, {"rollout/logprob_diff_max": 5e-2, "async/staleness": 1.0}) == []
-    assert [a.name for a in canary.feed(4, {"rollout/logprob_diff_max": 5e-2, "async/staleness": 0.0})] == ["sync_canary"]
-
-
 def test_a_push_that_does_not_match_what_the_workers_expect_raises_instead_of_hanging():
     """A tensor of another shape (a ZeRO-3 shard under full-shape metadata) or a missing one."""
     import torch

@@ -4,7 +4,7 @@ ranks on the run's model, without the KL reference. Four rows: the engines start
 vLLM reports against the expected figure (CPU: rollout.kv_cache_gb; GPU: the memory plan's); the
 linked transport's ranks (each vLLM worker process its own); and a weight-sync canary — the
 learner's weights perturbed, pushed through the run's transport, and the log-probs of a fixed
-sequence compared on every worker (max |Δ logp|, the trainer's canary `rollout/logprob_diff_max`)."""
+sequence compared on every worker (max |Δ logp|: one fixed sequence, no tail to fear; the trainer's canary reads the p99)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ class PPOStep:
 
         old_logprob_source: "recompute" (a no-grad pass of the learner, verl style) or "rollout"
         (vLLM's own log-probs of the sampling distribution, equal to the learner's in fp32: the pass is skipped).
-        measure: run the no-grad pass anyway, for the sync canary `rollout/logprob_diff_max` and
+        measure: run the no-grad pass anyway, for the sync canary (the driver's p99 of |Δ log p|) and
         the token diagnostics (the driver asks for it on the first step and periodically).
         behavior: the batch was sampled by older weights than the learner's (asynchronous
         training). The loss then gets vLLM's log-probs as the behaviour policy's, and so does

@@ -148,10 +148,18 @@ class StepRunner:
             m.setdefault(k, v)  # the loss's own value stays where it measured one (behaviour log-probs given)
         diff_rows = result.logprob_diff_rows
         workers = self._worker_rows
-        if diff_rows is not None and len(set(workers)) > 1 and len(workers) == len(diff_rows):  # the sync canary
-            for j in sorted(set(workers)):  # per rollout worker
+        if diff_rows is not None and len(set(workers)) > 1 and len(workers) == len(diff_rows):
+            for j in sorted(set(workers)):  # per rollout worker (the live view and tests read the max)
                 rows = [k for k, w in enumerate(workers) if w == j]
                 m[f"rollout/logprob_diff_max/worker_{j}"] = float(diff_rows[rows].max())
+        if result.old_log_probs is not None and batch.rollout_log_probs is not None:  # the sync canary's p99
+            from stapoctl.trainer.sync_canary import diff_p99, per_worker_p99
+
+            view = loss_view(batch, self.conf)  # the response tokens the learner measured
+            args = (result.old_log_probs, view.rollout_log_probs, view.response_mask)
+            if "rollout/logprob_diff_p99" not in m:  # drift.py logs it where it ran (the same definition)
+                m["rollout/logprob_diff_p99"] = diff_p99(*args)
+            m.update(per_worker_p99(*args, workers))
         return m
 
     def _drift(self, batch, result):
