@@ -10,6 +10,11 @@ One chain, three engine starts:
   4. the resume command that line prints, run as printed (new engines): a vLLM actor SIGSTOPped
      inside `receive_weights` → FAILED within `rollout.weight_sync_timeout_s` + a margin, the worker
      named, never RUNNING; the checkpoint the first failure left is what it resumed from.
+  5. gloo, sync (new engines): a vLLM actor SIGSTOPped while generating, at a random moment of a
+     step's rollout → FAILED within `rollout.stall_timeout_s` + a margin, the worker named (#49);
+  6. the same in async mode;
+  7. the resume command 6 printed, run as printed: a vLLM actor SIGKILLed while generating in async
+     → named within seconds (it used to wait 600 s and name a live worker: #49 BUG-1).
 A push waits STAPOCTL_TEST_SYNC_DELAY_S = 1 s inside `receive_weights`, so the saboteur finds it there.
 """
 
@@ -27,6 +32,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 SYNC_TIMEOUT_S = 30
+STALL_S = 30  # rollout.stall_timeout_s of the generation faults: above the longest healthy still phase (vLLM import, 7–26 s here)
 COMMON = ["rollout.num_workers=2", "rollout.cpus_per_worker=0.5", "learner.cpus=0.5", "trainer.total_steps=8",
           "trainer.save_freq=2", "eval.every_n_steps=0", "trainer.val_before_train=false",
           "rollout.logprob_check_every=1", "data.toy.num_train=32", f"rollout.weight_sync_timeout_s={SYNC_TIMEOUT_S}"]
@@ -59,14 +65,18 @@ def _steps(run_dir) -> set:
     return out
 
 
-def _saboteur(run_dir, after_step: int, sig: int, events: dict):
-    """Once `after_step` is logged, `sig` to the first rollout actor seen inside `receive_weights`."""
+def _saboteur(run_dir, after_step: int, sig: int, events: dict, method: str = "receive_weights"):
+    """Once `after_step` is logged and a random 0–0.5 s later, `sig` to the first rollout actor seen
+    inside `method` (`rollout`: generating)."""
+    import random
+
     def go():
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not any(s >= after_step for s in _steps(run_dir)):
             time.sleep(0.05)
+        time.sleep(random.uniform(0.0, 0.5))
         while time.monotonic() < deadline:
-            pid = _actor_pid("receive_weights")
+            pid = _actor_pid(method)
             if pid:
                 os.kill(pid, sig)
                 events.update(pid=pid, at=time.monotonic())
@@ -134,6 +144,7 @@ def chain(training_store, tmp_path_factory, engine_pool):
                     except ProcessLookupError:
                         pass
             out["stopped"] = stopped
+            _generation_faults(t, tmp, session, out)
             out["uri"] = t.uri
             out["log"] = t.console.export_text()
         session.discard()  # its actors carry the hooks' variables: none of them serves a later module
@@ -141,8 +152,71 @@ def chain(training_store, tmp_path_factory, engine_pool):
     finally:
         mp.undo()
         facts = {k: {f: v for f, v in out[k].items() if f in ("error", "pid", "claimed", "at", "ended")}
-                 for k in ("object_store", "gloo", "killed", "stopped") if k in out}
+                 for k in ("object_store", "gloo", "killed", "stopped", *GENERATION) if k in out}
         sys.stderr.write(f"\nweight-sync fault chain: {facts}\n")
+
+
+GENERATION = ("gen_stopped_sync", "gen_stopped_async", "gen_killed_async")
+
+
+def _sabotaged_run(train_fn, run_dir, after_step: int, sig: int) -> dict:
+    """`train_fn()` with a rollout actor hit by `sig` while generating after `after_step`: its error,
+    the pid hit, when, and when the run ended (a stopped actor is killed afterwards)."""
+    from stapoctl.errors import RunFailed
+
+    events: dict = {}
+    saboteur = _saboteur(run_dir, after_step, sig, events, method="rollout")
+    try:
+        exc = _expect(train_fn, RunFailed)
+        events.update(error=str(exc), ended=time.monotonic(), steps=_steps(run_dir))
+    finally:
+        saboteur.join(5)
+        if sig == signal.SIGSTOP and events.get("pid"):
+            try:
+                os.kill(events["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return events
+
+
+def _generation_faults(t, tmp, session, out: dict) -> None:
+    """Chain links 5–7: faults while generating, sync and async (each failure discards the engines)."""
+    from stapoctl.config.compose import compose_config
+    from stapoctl.trainer.driver import train
+
+    common = ["rollout.weight_sync=gloo", f"rollout.stall_timeout_s={STALL_S}"]
+    sync_dir, async_dir = tmp / "gen_sync", tmp / "gen_async"
+    out["gen_stopped_sync"] = _sabotaged_run(lambda: train(t.conf([*common, f"trainer.output_dir={sync_dir}"]),
+                                                           console=t.console, session=session), sync_dir, 2, signal.SIGSTOP)
+    out["gen_stopped_async"] = _sabotaged_run(
+        lambda: train(t.conf([*common, "trainer.mode=async", f"trainer.output_dir={async_dir}"]), console=t.console,
+                      session=session), async_dir, 2, signal.SIGSTOP)
+    command = shlex.split(out["gen_stopped_async"]["error"].rpartition("resume with `")[2].partition("`")[0])
+    out["gen_resume_command"] = command
+    before = max(out["gen_stopped_async"]["steps"], default=0)
+    out["gen_killed_async"] = _sabotaged_run(lambda: train(compose_config(command[2:]), console=t.console,
+                                                           session=session), async_dir, before + 1, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("name", ["gen_stopped_sync", "gen_stopped_async"])
+def test_a_worker_stopped_while_generating_ends_the_run_within_the_stall_bound(chain, name):
+    s = chain[name]
+    assert "pid" in s, "the saboteur never found a rollout to stop"
+    assert s["ended"] - s["at"] < STALL_S + 10, s
+    error = s["error"]
+    assert "\n" not in error
+    assert f"pid {s['pid']}" in error and "made no progress for" in error, error
+    assert f"rollout.stall_timeout_s={STALL_S}" in error and "the run is FAILED" in error, error
+
+
+def test_a_worker_killed_while_generating_in_async_is_named_within_seconds(chain):
+    k = chain["gen_killed_async"]
+    assert "pid" in k, "the saboteur never found a rollout to kill"
+    assert k["ended"] - k["at"] < 20, k
+    assert f"pid {k['pid']}" in k["error"] and "died" in k["error"] and "gloo" in k["error"], k["error"]
+    # it ran from the checkpoint the stopped async run left (the printed resume command), then went on
+    assert chain["gen_resume_command"][:2] == ["stapoctl", "train"]
+    assert max(k["steps"]) > max(chain["gen_stopped_async"]["steps"], default=0)
 
 
 @pytest.mark.parametrize("transport", ["object_store", "gloo"])

@@ -47,7 +47,7 @@ class RolloutConfig:
     # recompute elsewhere)
     old_logprob_source: str = spec("auto", choices=("auto", "recompute", "rollout"))
     # with vLLM's log-probs as old ones, measure the learner's anyway every N steps (and at the first):
-    # the sync canary rollout/logprob_diff_max and the token diagnostics need that pass
+    # the sync canary (rollout/logprob_diff_p99) and the token diagnostics need that pass
     logprob_check_every: int = spec(10, range=NON_NEGATIVE)
     # intra-op threads of each vLLM actor; 0 = auto (sync loop: the node's cores shared by the workers,
     # since one phase runs at a time; async: the actor's own CPU share)
@@ -63,6 +63,10 @@ class RolloutConfig:
     # rank fails after this instead of hanging), and how long the driver waits on any push: a worker
     # that dies or stops answering mid-push ends the run within it, named in one line
     weight_sync_timeout_s: float = spec(1800.0, range=POSITIVE)
+    # a rollout worker whose progress (vLLM engine steps, start-up phases) stands still this long while
+    # the driver waits on it — starting, generating — ends the run FAILED in one line naming it
+    # (trainer/stall.py; inside a weight push rollout.weight_sync_timeout_s applies instead)
+    stall_timeout_s: float = spec(600.0, range=POSITIVE)
 
 
 def rollout_utilization(r: Any, colocated: bool) -> float:

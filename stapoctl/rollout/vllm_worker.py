@@ -20,6 +20,7 @@ import time
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from stapoctl.launch.ray_runtime import actor_env, in_ray_actor, process_start, runtime_context
+from stapoctl.rollout.progress import RECEIVING
 from stapoctl.rollout.vllm_engine import EngineSpec, Sample
 from stapoctl.sync.worker_extension import EXTENSION_CLS
 
@@ -35,9 +36,14 @@ class RolloutWorker:
     such an actor needs them again before it may sample.
     """
 
-    def __init__(self, spec: EngineSpec, synced: bool = False):
+    def __init__(self, spec: EngineSpec, synced: bool = False, progress: Optional[tuple] = None):
         from stapoctl.launch.import_gc import skip_unused_imports
         from stapoctl.rollout import vllm_engine
+        from stapoctl.rollout.progress import Heartbeat
+
+        # (board, index): this worker's phases and engine steps, for the driver's stall bound (rollout/progress.py)
+        self.heartbeat = Heartbeat(*progress) if progress is not None else None
+        self._phase("starting: importing vLLM")
 
         t0 = time.perf_counter()
         marks = {"spawned": process_start(), "constructor": time.time()}
@@ -56,9 +62,13 @@ class RolloutWorker:
         self.needs_weights = bool(synced and self.restarted)
         vllm_engine.import_vllm(spec)
         marks["vllm_imported"] = time.time()
+        self._phase("starting: building the vLLM engine")
         self.llm = vllm_engine.make_llm(spec)
         self.tokenizer = self.llm.get_tokenizer()
         marks["engine_built"] = time.time()
+        if self.heartbeat is not None:
+            self.heartbeat.watch(self.llm)
+        self._phase("idle")
         self.init_seconds = time.perf_counter() - t0
         self.startup = marks  # epoch seconds of each start-up phase's end (`info`, the driver's phase table)
         self.weight_version = 0
@@ -84,6 +94,18 @@ class RolloutWorker:
 
         return vllm_engine.kv_cache_gib(self.llm)
 
+    def _phase(self, name: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.phase(name)
+
+    @contextlib.contextmanager
+    def _doing(self, name: str) -> Iterator[None]:
+        self._phase(name)
+        try:
+            yield
+        finally:
+            self._phase("idle")
+
     def _check_weights(self) -> None:
         if self.needs_weights:
             raise StaleWeightsError(f"rollout actor (pid {os.getpid()}) restarted and holds the base model, "
@@ -103,9 +125,10 @@ class RolloutWorker:
         from stapoctl.rollout import vllm_engine
 
         self._check_weights()
-        return vllm_engine.generate(
-            self.llm, prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed
-        )
+        with self._doing("generating"):
+            return vllm_engine.generate(
+                self.llm, prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed
+            )
 
     def rollout(
         self,
@@ -145,7 +168,8 @@ class RolloutWorker:
         from stapoctl.rollout import vllm_engine
 
         self._check_weights()
-        return vllm_engine.score_logprobs(self.llm, token_ids_list)
+        with self._doing("scoring"):
+            return vllm_engine.score_logprobs(self.llm, token_ids_list)
 
     def score_batch(self, batch) -> "Any":
         """`score_logprobs` for a RolloutBatch's rows, as a [N, R] tensor aligned with it (0 on padding)."""
@@ -168,30 +192,32 @@ class RolloutWorker:
         """The object-store transport: load the learner's weights in place, then drop cached KV
         computed with the old ones. `named_tensors`: a dict or iterable of (name, tensor) or of
         (name, raw bytes, dtype, shape), read in place from Ray's object store."""
-        from stapoctl.sync.worker_extension import pack_for_rpc, unpack
+        with self._doing(RECEIVING):
+            from stapoctl.sync.worker_extension import pack_for_rpc, unpack
 
-        t0 = time.perf_counter()
-        items: Iterable = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        payload = [unpack(item) for item in items]
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0" or self.spec.tensor_parallel_size > 1:
-            payload = pack_for_rpc(payload)  # the engine core or its workers are other processes
-        count = self.llm.collective_rpc("stapo_load_weights", args=(payload,))[0]
-        self._after_update()
-        return {"sync_load_s": time.perf_counter() - t0, "tensors": float(count)}
+            t0 = time.perf_counter()
+            items: Iterable = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+            payload = [unpack(item) for item in items]
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0" or self.spec.tensor_parallel_size > 1:
+                payload = pack_for_rpc(payload)  # the engine core or its workers are other processes
+            count = self.llm.collective_rpc("stapo_load_weights", args=(payload,))[0]
+            self._after_update()
+            return {"sync_load_s": time.perf_counter() - t0, "tensors": float(count)}
 
     def receive_weights(self, update_info: dict) -> dict[str, float]:
         """A linked transport's whole update in one actor call: vLLM's start (the layerwise reload
         begins: the model is half-loaded until finish), the receive (every worker process joins
         the learner's broadcast), finish. As one call it cannot be interleaved with a rollout."""
-        t0 = time.perf_counter()
-        self.llm.collective_rpc("start_weight_update")
-        delay = float(os.environ.get("STAPOCTL_TEST_SYNC_DELAY_S") or 0)
-        if delay > 0:
-            time.sleep(delay)
-        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
-        self.llm.collective_rpc("finish_weight_update")
-        self._after_update()
-        return {"sync_load_s": time.perf_counter() - t0, "tensors": float(len(update_info.get("names", [])))}
+        with self._doing(RECEIVING):
+            t0 = time.perf_counter()
+            self.llm.collective_rpc("start_weight_update")
+            delay = float(os.environ.get("STAPOCTL_TEST_SYNC_DELAY_S") or 0)
+            if delay > 0:
+                time.sleep(delay)
+            self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+            self.llm.collective_rpc("finish_weight_update")
+            self._after_update()
+            return {"sync_load_s": time.perf_counter() - t0, "tensors": float(len(update_info.get("names", [])))}
 
     def _after_update(self) -> None:
         self.llm.reset_prefix_cache()
@@ -338,6 +364,7 @@ def make_rollout_worker(
     max_restarts: int = 0,
     env_extra: Optional[dict[str, str]] = None,
     on_gpu: Optional[bool] = None,
+    progress: Optional[tuple] = None,
 ):
     """Start a RolloutWorker actor with these resources; returns its handle (engine still loading).
 
@@ -363,4 +390,4 @@ def make_rollout_worker(
         opts["name"] = name
     opts.update(options or {})
     actor_cls = ray.remote(RolloutWorker)
-    return actor_cls.options(**opts).remote(engine_spec, synced)
+    return actor_cls.options(**opts).remote(engine_spec, synced, progress)

@@ -94,6 +94,11 @@ class LearnerDrivenPush(EnginePush):
 PUSHES = {"object_store": ObjectStorePush, "engine": EnginePush, "engine_learner_driven": LearnerDrivenPush}
 
 
+def refs_of(pending: list, roles: list, index: dict, role: tuple) -> Any:
+    """The pending ref of `role` ((role name, actor))."""
+    return next(r for r in pending if roles[index[id(r)]] is role or roles[index[id(r)]] == role)
+
+
 class WeightSync:
     """`link`: what a linked transport needs besides the actors (`tp_size`, `timeout_s`). `timeout_s`
     also bounds every wait on a push. `name_actor(role, index)`: how a stalled or dead actor is named
@@ -105,6 +110,9 @@ class WeightSync:
         self.timeout_s = float(timeout_s)
         self.name_actor = name_actor or (lambda role, i: f"{'rollout worker' if role == 'rollout' else 'learner rank'} {i}")
         self.broken = False  # a push failed: actors may sit in a collective; shut them down without waiting
+        # (rollout worker indices not done, wait start) → raises for one whose progress stood still before it
+        # began receiving (the driver's stall bound, trainer/stall.py); inside the receive, timeout_s applies
+        self.progress_check: Optional[Callable[[set, float], None]] = None
         self._inflight: list = []
         self._inflight_roles: list = []
         link = {"tp_size": int(tp_size), "timeout_s": self.timeout_s}
@@ -146,11 +154,16 @@ class WeightSync:
         `EngineFault` line: which actor died or did not answer, where, over which transport."""
         import ray
 
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         index = {id(ref): k for k, ref in enumerate(refs)}
         pending, results = list(refs), [None] * len(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            poll = min(deadline, time.monotonic() + 1.0) if self.progress_check else deadline
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, poll - time.monotonic()))
+            if not ready and time.monotonic() < deadline:
+                self._check_progress([roles[index[id(r)]] for r in pending], start)
+                continue
             if not ready:
                 self.broken = True
                 raise EngineFault(self._stalled_line([roles[index[id(r)]] for r in pending]))
@@ -163,6 +176,15 @@ class WeightSync:
                 self.broken = True
                 raise EngineFault(self._failed_line(roles[k], exc, pending, roles, index)) from exc
         return results
+
+    def _check_progress(self, waiting: list, start: float) -> None:
+        workers = {i for role, actor in waiting if role == "rollout"
+                   for i, a in enumerate(self.workers) if a is actor}
+        try:
+            self.progress_check(workers, start)
+        except EngineFault:
+            self.broken = True
+            raise
 
     def _name(self, role: str, actor: Any) -> str:
         group = self.workers if role == "rollout" else self.learners
@@ -198,6 +220,11 @@ class WeightSync:
             return line + (f"; weight_sync={self.method} cannot re-link a new vLLM process" if who[0] == "rollout" else "")
         err = remote_error(exc)
         cause = err.cause if err is not None else (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
+        silent = [roles[index[id(r)]] for r in pending if roles[index[id(r)]][0] == "rollout"]
+        silent = [r for r in silent if not ray.wait([refs_of(pending, roles, index, r)], timeout=0)[0]]
+        if role[0] == "learner" and silent:  # its side timed out waiting on a worker that never answered
+            return (f"{', '.join(self._name(*r) for r in silent)} stopped answering mid-push over {self.method} "
+                    f"({self._name(*role)}'s side gave up first: {cause})")
         return f"the weight sync over {self.method} failed in {self._name(*role)}: {cause}"
 
     def _dead(self, role: tuple, exc: BaseException):

@@ -56,6 +56,11 @@ def old_logprob_source(conf: DictConfig) -> str:
     return "rollout" if exact else "recompute"
 
 
+def stall_timeout_s(conf: DictConfig) -> float:
+    """`rollout.stall_timeout_s` (read with .get: a checkpoint's config saved before it resumes)."""
+    return float(conf.rollout.get("stall_timeout_s") or 600.0)
+
+
 def learner_shared_prefix(conf: DictConfig) -> str:
     """"on" / "off": what `learner.shared_prefix` (null = auto by device) resolves to for this run."""
     from stapoctl.learner import shared_prefix

@@ -23,7 +23,9 @@ from stapoctl.errors import EngineFault, UserError
 from stapoctl.launch.actor_errors import describe_actor_death, user_error_in
 from stapoctl.launch.engine_log import record_start
 from stapoctl.launch.ray_runtime import startup_phases
-from stapoctl.trainer.engine_settings import learner_args, thread_counts
+from stapoctl.trainer.engine_settings import learner_args, stall_timeout_s, thread_counts
+from stapoctl.trainer.rollout_loss import is_rollout_loss, lost_for_good, rollout_max_restarts  # noqa: F401 (re-exported)
+from stapoctl.trainer.stall import StallWatch
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Engines:
     restart_timeout_s: float = 600.0  # a restarted vLLM re-initialises (minutes for a big model)
     max_restarts: int = 0
     say: Optional[Callable[[str], None]] = None
+    stall: Any = None  # StallWatch (trainer/stall.py): rollout.stall_timeout_s on every wait for the workers
 
     @property
     def learner(self):
@@ -56,17 +59,22 @@ class Engines:
         """`submit(worker, payload)` for each (worker index, payload) job; their refs, in order."""
         return [submit(self.workers[w], payload) for w, payload in jobs]
 
-    def gather_rollouts(self, refs: list, submit: Callable[[Any, Any], Any], jobs: Sequence[tuple[int, Any]]) -> list:
-        """The results of `send_rollouts`, in order.
+    def gather_rollouts(self, refs: list, submit: Callable[[Any, Any], Any], jobs: Sequence[tuple[int, Any]],
+                        doing: str = "generating rollouts") -> list:
+        """The results of `send_rollouts`, in order; a worker that stops making progress meanwhile ends
+        the run (`rollout.stall_timeout_s`, trainer/stall.py), naming it and `doing`.
 
         A job whose actor died, or came back without the current weights, is re-sent after
-        `recover_rollouts`; a call that is a pure function of its inputs is safe to repeat.
+        `recover_rollouts`; a call that is a pure function of its inputs is safe to repeat. With a
+        transport that cannot re-link a new vLLM, a dead actor ends the run at once, named.
         """
         import ray
 
         pending = dict(enumerate(refs))
         results: dict[int, Any] = {}
         for attempt in range(_MAX_RESENDS + 1):
+            if self.stall is not None:
+                self.stall.wait({ref: jobs[j][0] for j, ref in pending.items()}, doing)
             failed = []
             for j, ref in pending.items():
                 try:
@@ -74,6 +82,7 @@ class Engines:
                 except Exception as exc:
                     if not is_rollout_loss(exc):
                         raise
+                    lost_for_good(self.sync, self.actor_label('rollout', jobs[j][0]), exc)
                     failed.append(j)
             if not failed:
                 return [results[j] for j in range(len(jobs))]
@@ -197,8 +206,8 @@ class Engines:
         is killed when the grace runs out."""
         import ray
 
-        if getattr(self.sync, "broken", False):  # a failed push: actors may sit in a collective for good
-            grace_s = min(grace_s or 2.0, 2.0)
+        if getattr(self.sync, "broken", False) or getattr(self.stall, "stalled", None) is not None:
+            grace_s = min(grace_s or 2.0, 2.0)  # a failed push or a stalled worker: it may never answer
         # every actor's own clean-up at once (each is a separate process), each bounded
         calls = []
         for actor, timeout in [*((w, grace_s or 60.0) for w in self.workers),
@@ -212,7 +221,7 @@ class Engines:
                 ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
             except Exception:
                 pass
-        for actor in [*self.workers, *self.learners]:
+        for actor in [*self.workers, *self.learners, *([self.stall.board] if self.stall is not None else [])]:
             try:
                 ray.kill(actor)
             except Exception:
@@ -222,23 +231,6 @@ class Engines:
 
 
 _MAX_RESENDS = 5
-
-
-def rollout_max_restarts(rollout_cfg: Any, method: str) -> int:
-    """`rollout.max_restarts`, or 0 where the transport cannot re-link a new vLLM process (gloo,
-    NCCL, IPC): a restart would only wait for a process that can never be given the weights."""
-    from stapoctl.sync.transports import transport
-
-    return int(rollout_cfg.get("max_restarts", 0) or 0) if transport(method).relinks else 0
-
-
-def is_rollout_loss(exc: BaseException) -> bool:
-    """A rollout call lost to its actor dying (or coming back without the current weights)."""
-    import ray
-
-    from stapoctl.rollout.vllm_worker import StaleWeightsError
-
-    return isinstance(exc, (ray.exceptions.RayActorError, StaleWeightsError))
 
 
 def start_engines(conf: DictConfig, policy_path: str, console=None, reference_path: Optional[str] = None) -> "Engines":
@@ -267,6 +259,7 @@ class EngineLaunch:
     setup_refs: list
     marks: dict = field(default_factory=dict)  # the driver's start-up marks, epoch seconds (`startup_phases`)
     reason: str = ""  # why these engines start (EngineSession: "first start", the settings that changed)
+    stall: Any = None  # StallWatch on the workers' progress board
 
     def ready(self) -> Engines:
         import ray
@@ -275,7 +268,11 @@ class EngineLaunch:
 
         conf, r = self.conf, self.conf.rollout
         try:
-            worker_info = ray.get([w.info.remote() for w in self.workers])
+            info_refs = [w.info.remote() for w in self.workers]
+            # start-up bounded by progress: each vLLM actor's phases, the learner ranks' set-up as a deadline
+            self.stall.wait({**{ref: i for i, ref in enumerate(info_refs)}, **{ref: None for ref in self.setup_refs}},
+                            "starting", deadline_label="the learner ranks' set-up")
+            worker_info = ray.get(info_refs)
             learner_info = ray.get(self.setup_refs)
             self.marks["actors_up"] = time.time()
             sync = WeightSync(self.learners, self.workers, self.method, tp_size=int(r.tensor_parallel_size),
@@ -309,8 +306,11 @@ class EngineLaunch:
                if self.console is not None else None)
         engines = Engines(workers=self.workers, learners=self.learners, sync=sync, placement=self.placement, info=info,
                           worker_pids=[w["pid"] for w in worker_info], max_restarts=rollout_max_restarts(r, self.method),
-                          say=say)
+                          say=say, stall=self.stall)
         sync.name_actor = engines.actor_label
+        self.stall.label = lambda i: engines.actor_label("rollout", i)
+        sync.progress_check = lambda waiting, start: self.stall.check(waiting, start,
+                                                                   f"the weight push over {self.method} waited for it")
         record_start(info)  # tests only (STAPOCTL_TEST_ENGINE_LOG; launch/engine_log.py)
         return engines
 
@@ -319,7 +319,8 @@ class EngineLaunch:
 
         A short grace: an actor still importing vLLM would only answer once its constructor is
         done (~10 s here), which would hold back the refusal the user is waiting for."""
-        Engines(workers=self.workers, learners=self.learners, sync=None, placement=self.placement).shutdown(grace_s=3.0)
+        Engines(workers=self.workers, learners=self.learners, sync=None, placement=self.placement,
+                stall=self.stall).shutdown(grace_s=3.0)
 
 
 def launch_engines(conf: DictConfig, policy_path: str, console=None,
@@ -331,6 +332,7 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
     from stapoctl.launch.placement import make_placement
     from stapoctl.launch.ray_runtime import ensure_ray
     from stapoctl.learner.deepspeed_learner import make_learner_group
+    from stapoctl.rollout.progress import make_board
     from stapoctl.rollout.vllm_worker import make_rollout_worker
     from stapoctl.sync.transports import choose_method
     from stapoctl.trainer.engine_settings import engine_spec
@@ -352,13 +354,14 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
     spec = engine_spec(conf, policy_path, method, on_gpu)
     marks["placement_ready"] = time.time()
     workers: list = []
+    board = make_board()  # the workers' progress (rollout/progress.py), for rollout.stall_timeout_s
     try:
         for i in range(int(r.num_workers)):  # every resource an actor asks is the placement's (actor_asks)
             opts = placement.rollout_options(i)
             workers.append(make_rollout_worker(spec, num_cpus=opts["num_cpus"], num_gpus=opts["num_gpus"],
                                                options=opts, synced=True, on_gpu=on_gpu,
                                                max_restarts=rollout_max_restarts(r, method),
-                                               env_extra=placement.rollout_env(i)))
+                                               env_extra=placement.rollout_env(i), progress=(board, i)))
         marks["rollout_created"] = time.time()
         if spec.colocated:  # vLLM sizes its memory before the learner allocates beside it
             ray.get([w.info.remote() for w in workers])
@@ -367,7 +370,9 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
                                                    start_timeout_s=float(conf.cluster.placement_timeout_s) + 300.0)
         marks["learner_setup_sent"] = time.time()  # after rank 0's rendezvous: its process is up
     except BaseException:
-        Engines(workers=workers, learners=[], sync=None, placement=placement).shutdown()
+        Engines(workers=workers, learners=[], sync=None, placement=placement, stall=StallWatch(board, 0)).shutdown()
         raise
+    stall = StallWatch(board, stall_timeout_s(conf), label=lambda i: f"rollout worker {i}")
     return EngineLaunch(conf=conf, console=console, t0=t0, t_ray=t_ray, started_ray=started_ray, method=method,
-                        placement=placement, workers=workers, learners=learners, setup_refs=setup_refs, marks=marks)
+                        placement=placement, workers=workers, learners=learners, setup_refs=setup_refs, marks=marks,
+                        stall=stall)

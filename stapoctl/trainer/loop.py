@@ -235,7 +235,7 @@ class Loop:
 
     def validate(self, step: int) -> dict:
         """Validation through the rollout actors; re-run whole if one of them died meanwhile."""
-        from stapoctl.trainer.engines import is_rollout_loss
+        from stapoctl.trainer.rollout_loss import is_rollout_loss
 
         engines = self.runner.engines
         for attempt in range(3):

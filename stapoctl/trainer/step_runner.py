@@ -87,7 +87,8 @@ class StepRunner:
         from stapoctl.rollout.batch import RolloutBatch
 
         t0 = time.perf_counter()
-        parts = self.engines.gather_rollouts(pending.refs, pending.submit, pending.jobs)
+        parts = self.engines.gather_rollouts(pending.refs, pending.submit, pending.jobs,
+                                             doing=f"generating the step-{pending.step} rollouts")
         wait = time.perf_counter() - t0
         batch = RolloutBatch.concat([p[0] for p in parts], pad_id=self.pad_id)
         self._worker_rows = [j for j, p in enumerate(parts) for _ in range(len(p[0]))]
