@@ -329,3 +329,16 @@ def test_doctor_as_a_ray_job_brings_its_table_back(ray_head, shared_home, tmp_pa
     assert re.search(r"submitted Ray job raysubmit_\w+ to http://127.0.0.1:\d+: stapoctl doctor", res.stdout)
     assert "(Ray job raysubmit_" in res.stdout and found["config"][1].endswith("cluster=ray")
     assert [c for c, (s, _) in found.items() if s == FAIL] == ["model + tokenizer"], found
+
+
+@pytest.mark.parametrize("ranks", range(1, 9))
+def test_the_canary_batch_splits_over_any_rank_count(ranks, tmp_path):
+    """1–8 learner ranks: every rank gets an equal, non-empty slice of the weight-sync row's batch
+    (with 8 ranks and 4 rows the all-gather failed: issue #49 BUG-3)."""
+    from stapoctl.doctor.engine import canary_rows, fixed_batch
+
+    rows = canary_rows(ranks)
+    assert rows >= 4 and rows % ranks == 0 and rows % 2 == 0 and rows < 4 + 2 * ranks
+    batch = fixed_batch(str(tmp_path), pad_id=0, ranks=ranks)
+    assert len(batch) == rows and batch.response_mask.sum() == rows * 12
+    assert canary_rows(8) == 8 and canary_rows(3) == 6 and canary_rows(7) == 14 and canary_rows(2) == 4

@@ -9,6 +9,7 @@ sequence compared on every worker (max |Δ logp|: one fixed sequence, no tail to
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -72,9 +73,16 @@ def sync_row(before: float, after: float, tolerance: float, sync_s: float, metho
     return passed("weight sync", detail)
 
 
-def fixed_batch(model_path: str, pad_id: int):
-    """A fixed sequence (two 12-token prompts with two 12-token responses each), ids drawn
-    with a seeded generator below the model's vocabulary, as a `RolloutBatch`."""
+def canary_rows(ranks: int) -> int:
+    """Rows of the canary's batch: at least 4, a multiple of 2 (two prompts) and of the learner ranks,
+    which each take an equal slice (a rank with none made the all-gather fail: issue #49 BUG-3)."""
+    step = math.lcm(2, max(1, int(ranks)))
+    return step * math.ceil(4 / step)
+
+
+def fixed_batch(model_path: str, pad_id: int, ranks: int = 1):
+    """A fixed sequence (two 12-token prompts with `canary_rows(ranks)` / 2 12-token responses each),
+    ids drawn with a seeded generator below the model's vocabulary, as a `RolloutBatch`."""
     import torch
 
     from stapoctl.rollout.batch import RolloutBatch
@@ -86,9 +94,10 @@ def fixed_batch(model_path: str, pad_id: int):
     g = torch.Generator().manual_seed(1234)
     high = max(8, min(vocab, 4096))
     prompts = [torch.randint(3, high, (12,), generator=g).tolist() for _ in range(2)]
-    resps = [[torch.randint(3, high, (12,), generator=g).tolist() for _ in range(2)] for _ in prompts]
+    per = canary_rows(ranks) // 2
+    resps = [[torch.randint(3, high, (12,), generator=g).tolist() for _ in range(per)] for _ in prompts]
     zeros = [[[0.0] * len(r) for r in rs] for rs in resps]
-    return RolloutBatch.from_token_lists(prompts, resps, zeros, [[False] * 2] * 2, [[""] * 2] * 2, pad_id=pad_id)
+    return RolloutBatch.from_token_lists(prompts, resps, zeros, [[False] * per] * 2, [[""] * per] * 2, pad_id=pad_id)
 
 
 def _max_diff(a, b, mask) -> float:
@@ -102,7 +111,7 @@ def canary(engines: Any, model_path: str) -> tuple[float, float, float]:
     worker —, the push's seconds) on the fixed batch. Every learner rank is perturbed alike."""
     import ray
 
-    batch = fixed_batch(model_path, int(engines.info.get("pad_token_id") or 0))
+    batch = fixed_batch(model_path, int(engines.info.get("pad_token_id") or 0), ranks=len(engines.learners))
     ray.get([h.perturb_weights.remote(PERTURB_SCALE, seed=7, relative=True) for h in engines.learners])
     # at T = 1 without top-p: vLLM's prompt log-probs are the model's own whatever the run samples with
     learner_lp = ray.get([h.compute_log_probs.remote(batch, raw=True) for h in engines.learners])[0]["log_prob"]
