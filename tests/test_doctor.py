@@ -342,3 +342,26 @@ def test_the_canary_batch_splits_over_any_rank_count(ranks, tmp_path):
     batch = fixed_batch(str(tmp_path), pad_id=0, ranks=ranks)
     assert len(batch) == rows and batch.response_mask.sum() == rows * 12
     assert canary_rows(8) == 8 and canary_rows(3) == 6 and canary_rows(7) == 14 and canary_rows(2) == 4
+
+
+def test_on_a_ray_cluster_the_gpus_row_counts_every_node():
+    """#49 BUG-2: a 16-GPU layout on a 2-node Ray cluster passes against the cluster's 16 GPUs, even
+    from a head node with none; it fails against 8, naming the cluster."""
+    layout = gpu_conf("cluster=ray", "cluster.address=10.0.0.1:6379", "learner.num_ranks=8", "rollout.num_workers=4",
+                      "rollout.gpus_per_worker=2")
+    ok = comm.gpu_row(layout, 0, "", cluster_gpus=16.0)
+    assert ok.status == PASS and "the Ray cluster has 16 GPU(s); the run asks 16" in ok.detail
+    short = comm.gpu_row(layout, 8, "H100", cluster_gpus=8.0)
+    assert short.status == FAIL and "the run asks 16 GPU(s)" in short.detail and "the Ray cluster has 8" in short.detail
+    assert comm.ray_cluster_gpus(compose_config([])) is None  # no cluster.address: this node's GPUs, as before
+
+
+def test_a_multi_node_slurm_doctor_job_joins_the_jobs_ray(monkeypatch):
+    """#49 BUG-2: the SLURM job body reads STAPOCTL_RAY_ADDRESS as TrainJob does."""
+    from stapoctl.doctor.job import job_overrides
+    from stapoctl.jobs import sbatch
+
+    monkeypatch.delenv(sbatch.RAY_ADDRESS_ENV, raising=False)
+    assert job_overrides(["cluster=slurm"]) == ["cluster=slurm"]
+    monkeypatch.setenv(sbatch.RAY_ADDRESS_ENV, "10.0.0.1:6379")
+    assert job_overrides(["cluster=slurm"]) == ["cluster=slurm", "cluster.address=10.0.0.1:6379"]

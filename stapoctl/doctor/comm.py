@@ -38,11 +38,19 @@ def gpus_needed(conf: DictConfig) -> tuple[float, str]:
     return need, " + ".join(parts)
 
 
-def gpu_row(conf: DictConfig, have: int, device: str = "") -> Row:
+def gpu_row(conf: DictConfig, have: int, device: str = "", cluster_gpus: Optional[float] = None) -> Row:
     """What the run asks (learner.num_ranks × gpus_per_rank + rollout workers × gpus_per_worker)
-    against this node's GPUs and, under SLURM, cluster.gpus_per_node × cluster.nodes."""
+    against this node's GPUs and, under SLURM, cluster.gpus_per_node × cluster.nodes; on a Ray
+    cluster (`cluster_gpus`: its GPUs, all nodes) against the cluster's (issue #49 BUG-2: the run
+    spans its nodes, and the node the checks run on may have none)."""
     need, how = gpus_needed(conf)
     c = conf.cluster
+    if cluster_gpus is not None and c.name != "slurm":
+        if need > cluster_gpus:
+            return failed("GPUs", f"the run asks {need:g} GPU(s) ({how}) and the Ray cluster has {cluster_gpus:g}",
+                          "lower learner.num_ranks / rollout.num_workers, or add GPU nodes to the Ray cluster")
+        return passed("GPUs", f"the Ray cluster has {cluster_gpus:g} GPU(s); the run asks {need:g}"
+                      + (f" ({how})" if need else " (a CPU run)"))
     on_slurm = c.name == "slurm"
     if have == 0:
         if need == 0:
@@ -69,7 +77,19 @@ def check_gpus(conf: DictConfig) -> Row:
     import torch
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return gpu_row(conf, have, torch.cuda.get_device_name(0) if have else "")
+    return gpu_row(conf, have, torch.cuda.get_device_name(0) if have else "", ray_cluster_gpus(conf))
+
+
+def ray_cluster_gpus(conf: DictConfig) -> Optional[float]:
+    """The GPUs of the Ray cluster the run joins (`cluster.address`), all its nodes; None off one."""
+    if not conf.cluster.get("address"):
+        return None
+    import ray
+
+    from stapoctl.launch.ray_runtime import ensure_ray
+
+    ensure_ray(conf.cluster)
+    return float(ray.cluster_resources().get("GPU", 0.0))
 
 
 # -- the all-reduce ------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ submitit callable beside the trainer's `TrainJob`, its rows the job's result) an
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -33,6 +34,15 @@ def run_body(overrides: Sequence[str]) -> tuple[list, float]:
     return rows, elapsed
 
 
+def job_overrides(overrides: Sequence[str]) -> list[str]:
+    """A multi-node SLURM job's Ray is up across its nodes before the body starts: join it, as
+    `TrainJob` does (else `launch_engines` starts a one-node Ray and the checks see node 1 only)."""
+    from stapoctl.jobs import sbatch
+
+    address = os.environ.get(sbatch.RAY_ADDRESS_ENV)
+    return [*overrides, f"cluster.address={address}"] if address else list(overrides)
+
+
 class DoctorJob:
     """A SLURM job that runs the doctor's checks on its node; returns the rows as dicts."""
 
@@ -40,7 +50,7 @@ class DoctorJob:
         self.overrides = list(overrides)
 
     def __call__(self) -> dict:
-        rows, elapsed = run_body(self.overrides)
+        rows, elapsed = run_body(job_overrides(self.overrides))
         return {"rows": [asdict(r) for r in rows], "host": socket.gethostname(), "elapsed_s": round(elapsed, 1)}
 
 
