@@ -145,6 +145,10 @@ def test_kv_and_sync_verdicts():
     low = engine.kv_row(4.0, 20.0, "the memory plan")
     assert low.status == FAIL and "expected 20 GiB" in low.detail
     assert engine.kv_row(3.0, None, "").status == PASS
+    # TP 2: vLLM's figure is the sum over both ranks; the plan's is per GPU (#49 R6)
+    half = engine.kv_row(20.0, 20.0, "the memory plan", tp=2)
+    assert half.status == FAIL and "10 GiB of KV cache per rank (TP 2: 20 in all)" in half.detail
+    assert engine.kv_row(40.0, 20.0, "the memory plan", tp=2).status == PASS
     assert engine.sync_row(6.0, 2e-6, 1e-4, 0.1, "object_store").status == PASS
     assert engine.sync_row(6.0, 0.3, 1e-4, 0.1, "object_store").status == FAIL
     assert engine.sync_row(1e-6, 1e-6, 1e-4, 0.1, "object_store").status == FAIL  # the canary saw nothing

@@ -47,9 +47,15 @@ def _expected_kv_gib(conf: DictConfig) -> Optional[float]:
     return None if rollout is None or rollout.kv_cache_gib is None else float(rollout.kv_cache_gib)
 
 
-def kv_row(reported: float, expected: Optional[float], source: str) -> Row:
-    """The KV cache vLLM allocated against the expected figure (less than KV_SHORTFALL of it fails)."""
+def kv_row(reported: float, expected: Optional[float], source: str, tp: int = 1) -> Row:
+    """The KV cache vLLM allocated (`reported`: summed over its `tp` tensor-parallel ranks, as
+    `vllm_engine.kv_cache_gib` gives it) per rank against the expected per-GPU figure (less than
+    KV_SHORTFALL of it fails). Per rank: at TP 2 a sum read ≈2× and could not fail (#49 R6)."""
+    tp = max(1, int(tp))
     got = f"vLLM allocated {reported:.3g} GiB of KV cache"
+    if tp > 1:
+        got = f"vLLM allocated {reported / tp:.3g} GiB of KV cache per rank (TP {tp}: {reported:.3g} in all)"
+    reported = reported / tp
     if expected is None:
         return passed("vLLM KV cache", f"{got} (no expected figure: the plan cannot size this model)")
     if reported < KV_SHORTFALL * expected:
@@ -238,4 +244,4 @@ def _kv(conf: DictConfig, engines: Any) -> Row:
     except Exception as exc:  # the plan cannot size the model here
         return passed("vLLM KV cache", f"vLLM allocated {reported:.3g} GiB of KV cache (no plan: "
                       f"{(str(exc).splitlines() or [''])[0][:120]})")
-    return kv_row(reported, expected, source)
+    return kv_row(reported, expected, source, tp=int(conf.rollout.tensor_parallel_size))
