@@ -142,7 +142,7 @@ def ray_head():
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"the Ray head did not come up: {(root / 'head.log').read_text()[-2000:]}")
             time.sleep(0.5)
-        yield {"address": address, "token": token, "root": root}
+        yield {"address": address, "token": token, "root": root, "gcs": f"127.0.0.1:{gcs}"}
     finally:
         _SHARED.pop("ray_head", None)
         stop()
@@ -170,6 +170,7 @@ POOL_ORDER = (
     "test_weight_transport_e2e.py",  # the object store on those two workers, then gloo, then TP 2
     "test_weight_sync_faults.py",  # fresh engines (its hooks' variables)
     "test_recipes_e2e.py",  # bf16
+    "test_config_matrix.py",  # its bf16 runs first on those engines, then the default's key, then two workers
 )
 _SHARED: dict = {}  # fixture name → how to stop it early
 
@@ -274,6 +275,7 @@ def pytest_runtest_teardown(item, nextitem):
 # Per module: setup + call + teardown of its tests, summed (module fixtures' engine starts included),
 # printed after the run so the suite's budget (README: well under 30 minutes) is kept per file.
 _MODULE_SECONDS: dict[str, float] = {}
+SUMMARY_LINES: dict[str, str] = {}  # name → a line a module adds to the end of the summary
 
 
 # Every engine start too, wherever its driver runs (this process, a `stapoctl train` child, a Ray
@@ -339,6 +341,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
                                     f"{s.get('module') or '?'} ({where}){why}")
     seconds = sum(float(s.get("engines_s", 0.0)) for s in starts)
     terminalreporter.write_line(f"{len(starts)} engine starts, {seconds:.0f} s")
+    for line in SUMMARY_LINES.values():  # a module's own summary (tests/test_config_matrix.py)
+        terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config) -> None:

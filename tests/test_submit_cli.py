@@ -199,3 +199,46 @@ def test_submitters_sit_above_the_trainer(imported, forbidden):
             f"leaked = [m for m in {forbidden!r} if m in sys.modules]; assert not leaked, leaked; print('ok')")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
+
+
+def test_two_node_script_waits_for_every_node_and_never_announces_loopback(two_node):
+    """#49 R2: the driver starts only once every node of the allocation joined Ray with its GPUs (a
+    bounded wait that names the missing node), and the head's address is never 127.x."""
+    from stapoctl.jobs import sbatch
+
+    text = two_node["script"]
+    wait = next(line for line in text.splitlines() if "stapoctl.jobs.ray_nodes" in line)
+    assert '--gpus-per-node=8' in wait and '"${ray_nodes[@]}"' in wait and wait.rstrip().endswith("|| exit 1")
+    driver = next(line for line in reversed(text.splitlines()) if "submitit.core._submit" in line)
+    assert text.index(wait) < text.index(driver)
+    assert "hostname --ip-address" not in text
+    here = subprocess.run(["bash", "-c", sbatch.head_ip_command(None)], capture_output=True, text=True)
+    assert here.returncode == 0 and here.stdout.strip() and not here.stdout.startswith("127.")
+    assert "dev ib0" in sbatch.head_ip_command("ib0")
+
+
+def test_the_node_wait_names_who_is_missing():
+    from stapoctl.jobs.ray_nodes import missing
+
+    alive = [{"Alive": True, "NodeManagerHostname": "gpu001.cluster", "Resources": {"GPU": 8.0}},
+             {"Alive": True, "NodeManagerHostname": "gpu002", "Resources": {"CPU": 96.0}},  # its GPUs not seen
+             {"Alive": False, "NodeManagerHostname": "gpu003", "Resources": {"GPU": 8.0}}]
+    assert missing(alive, ["gpu001", "gpu002", "gpu003", "gpu004"], 8) == ["gpu002", "gpu003", "gpu004"]
+    assert missing(alive, ["gpu001"], 8) == [] and missing(alive, ["gpu002"], 0) == []
+
+
+def test_the_node_wait_against_a_real_ray_head(ray_head):
+    """One node joined (this one), one host that never will: exit 1 within its bound, naming it."""
+    import socket
+    import sys
+    import time
+
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(ray_head["token"])}
+    cmd = [sys.executable, "-m", "stapoctl.jobs.ray_nodes", f"--address={ray_head['gcs']}", "--timeout-s=3"]
+    ok = subprocess.run([*cmd, socket.gethostname()], capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0 and "all 1 node(s) joined" in ok.stdout, ok.stderr[-2000:]
+    t0 = time.monotonic()
+    bad = subprocess.run([*cmd, socket.gethostname(), "node-that-never-joins"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert bad.returncode == 1 and "node(s) node-that-never-joins did not join Ray" in bad.stderr, bad.stderr[-2000:]
+    assert time.monotonic() - t0 < 60

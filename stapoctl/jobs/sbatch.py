@@ -24,8 +24,19 @@ def env_lines(env: Mapping[str, str], pythonpath: str | None) -> list[str]:
     return lines
 
 
-def ray_bootstrap_lines(python: str, nodes: int, gpus_per_node: int, port: int) -> list[str]:
-    """Start Ray across the allocation's nodes and export its address for the driver."""
+def head_ip_command(ifname: str | None) -> str:
+    """The head's address as the other nodes reach it: `cluster.socket_ifname`'s IPv4 address when set
+    (the interface NCCL and gloo use), else the first of `hostname -I` — never a loopback address
+    (`hostname --ip-address` can give 127.0.1.1 from /etc/hosts: #49 R2)."""
+    if ifname:
+        return f"ip -4 -o addr show dev {shlex.quote(ifname)} | awk '{{print $4}}' | cut -d/ -f1 | head -n1"
+    return "hostname -I | tr ' ' '\\n' | grep -v '^127\\.' | head -n1"
+
+
+def ray_bootstrap_lines(python: str, nodes: int, gpus_per_node: int, port: int, ifname: str | None = None,
+                        join_timeout_s: int = 300) -> list[str]:
+    """Start Ray across the allocation's nodes, wait (bounded) until every node joined with its GPUs,
+    and export its address for the driver."""
     ray = f"{python} -m ray.scripts.scripts"
     step = "srun --nodes=1 --ntasks=1 --overlap"
     gpus = f" --num-gpus={gpus_per_node}" if gpus_per_node else " --num-gpus=0"
@@ -34,7 +45,7 @@ def ray_bootstrap_lines(python: str, nodes: int, gpus_per_node: int, port: int) 
         "# (the standard pattern; untested on real multi-node hardware)",
         'ray_nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
         'ray_head=${ray_nodes[0]}',
-        f'ray_head_ip=$({step} -w "$ray_head" hostname --ip-address | awk \'{{print $1}}\')',
+        f'ray_head_ip=$({step} -w "$ray_head" bash -c {shlex.quote(head_ip_command(ifname))})',
         f'export {RAY_ADDRESS_ENV}="$ray_head_ip:{port}"',
         f'{step} -w "$ray_head" {ray} start --head --block --node-ip-address="$ray_head_ip" --port={port} '
         f'--dashboard-host=127.0.0.1 --num-cpus="$SLURM_CPUS_PER_TASK"{gpus} &',
@@ -43,4 +54,6 @@ def ray_bootstrap_lines(python: str, nodes: int, gpus_per_node: int, port: int) 
         f'    {step} -w "$ray_node" {ray} start --block --address="${RAY_ADDRESS_ENV}" '
         f'--num-cpus="$SLURM_CPUS_PER_TASK"{gpus} &',
         "done",
+        f'{python} -m stapoctl.jobs.ray_nodes --address="${RAY_ADDRESS_ENV}" --gpus-per-node={gpus_per_node} '
+        f'--timeout-s={int(join_timeout_s)} "${{ray_nodes[@]}}" || exit 1',
     ]

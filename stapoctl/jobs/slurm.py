@@ -189,7 +189,7 @@ def plan(conf, job_overrides: list[str], folder: Path, tracking_uri: str, job_na
         params["additional_parameters"] = {"nodes": int(c.nodes)}
         params["srun_args"] = ["--nodes=1", "--ntasks=1", "--overlap"]
         setup += sbatch.ray_bootstrap_lines(python or shlex.quote(sys.executable), int(c.nodes),
-                                            int(c.gpus_per_node or 0), int(c.ray_port))
+                                            int(c.gpus_per_node or 0), int(c.ray_port), c.get("socket_ifname"))
     if array_size:
         params["array_parallelism"] = int(c.array_parallelism)
     return Plan(folder, python, params, list(job_overrides), array_size)
