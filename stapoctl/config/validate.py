@@ -45,8 +45,21 @@ def validate_config(conf: DictConfig) -> None:
             raise _field_error(f"{group}.{name}", cls, name, value, why)
     for name, value, why in problems(AlarmLimits, conf.trainer.get("alarm_limits") or {}):
         raise _field_error(f"trainer.alarm_limits.{name}", AlarmLimits, name, value, why)
+    _check_engine_names(conf)
     _check_loss(conf.loss)
     _check_cross_fields(conf)
+
+
+# the one engine of each role: nothing reads these fields beyond the record of the run (a run asking for
+# another would train on these and say otherwise in its params)
+ENGINE_NAMES = {"rollout.engine": "vllm", "learner.backend": "deepspeed"}
+
+
+def _check_engine_names(conf: DictConfig) -> None:
+    for key, only in ENGINE_NAMES.items():
+        value = OmegaConf.select(conf, key)
+        if value is not None and str(value) != only:
+            raise UserError(f"{key}={value}: {only} is the only one stapoctl runs: leave {key} out")
 
 
 def _check_loss(loss: DictConfig) -> None:

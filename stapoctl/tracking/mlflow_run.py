@@ -132,7 +132,8 @@ def log_config(cfg: Any) -> None:
     buffer = active()
     if buffer is not None:  # a training run: through its journal (see metric_buffer)
         buffer.log_params(flat)
-        buffer.log_text(OmegaConf.to_yaml(safe, resolve=True), "config.yaml")
+        if OmegaConf.select(safe, "tracking.log_artifacts", default=True) is not False:
+            buffer.log_text(OmegaConf.to_yaml(safe, resolve=True), "config.yaml")
         return
     items = list(flat.items())
     for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params

@@ -277,11 +277,12 @@ def write_page(out_dir: Path | str, batch: Any, log_probs: Tensor, entropy: Tens
 
 def log_step(batch: Any, log_probs: Tensor, entropy: Tensor, loss_cfg: dict, *, step: int, mini_rows: int,
              decode: Callable[[list[int]], str], keep_dir: Optional[Path] = None,
-             buffer: Any = None, drift: Any = None, seed: int = 0) -> TokenDiagnostics:
+             buffer: Any = None, drift: Any = None, seed: int = 0, upload: bool = True) -> TokenDiagnostics:
     """The training loop's hook: diagnose a scored batch and log it to the active MLflow run
     under diagnostics/step_NNNNNN/. With a journal-backed run (training; `buffer`, else the
     process's active one), the files are written to `keep_dir` and uploaded by the run's sender,
-    so an MLflow outage never stalls a step."""
+    so an MLflow outage never stalls a step. `upload=False` (tracking.log_artifacts=false): the
+    files stay in `keep_dir` only."""
     import tempfile
 
     import mlflow
@@ -297,11 +298,14 @@ def log_step(batch: Any, log_probs: Tensor, entropy: Tensor, loss_cfg: dict, *, 
     artifact_path = f"{DIAGNOSTICS_DIR}/step_{step:06d}"
     buffer = buffer if buffer is not None else active()
     page = dict(step=step, mini_rows=mini_rows, decode=decode, drift=drift, seed=seed, counts=diag.counts)
-    if buffer is not None and keep_dir is not None:
+    if (buffer is not None or not upload) and keep_dir is not None:
         Path(keep_dir).mkdir(parents=True, exist_ok=True)
         write(diag, keep_dir, loss_name=name)
         write_page(keep_dir, batch, log_probs, entropy, loss_cfg, **page)
-        buffer.log_artifacts(str(keep_dir), artifact_path)
+        if upload:
+            buffer.log_artifacts(str(keep_dir), artifact_path)
+        return diag
+    if not upload:
         return diag
     with tempfile.TemporaryDirectory() as tmp:
         write(diag, tmp, loss_name=name)

@@ -174,7 +174,11 @@ class Loop:
                 _log_samples(conf, batch, step)
         metrics["fault/rollout_restarts"] = float(runner.engines.rollout_restarts)
         replay.check(step, metrics)
-        mlflow_run.log_metrics(metrics, step=step)
+        every = int(conf.trainer.get("log_every") or 1)  # trainer.log_every: every N steps and the last;
+        if step % every == 0 or step == due.total:  # a validation between them logs its own val/ metrics
+            mlflow_run.log_metrics(metrics, step=step)
+        elif any(k.startswith("val/") for k in metrics):
+            mlflow_run.log_metrics({k: v for k, v in metrics.items() if k.startswith("val/")}, step=step)
         set_tags({"stapoctl.step": str(step)})
         if due.diag_every > 0 and step % due.diag_every == 0 and batch is not None:
             runner.log_diagnostics(batch, step, self.run_dir)
@@ -328,7 +332,7 @@ def _log_samples(conf, batch, step: int) -> None:
     from stapoctl.tracking.metric_buffer import active
 
     n = int(conf.trainer.log_samples or 0)
-    if n <= 0:
+    if n <= 0 or not conf.tracking.get("log_artifacts", True):  # tracking.log_artifacts=false: no artifact
         return
     lines = []
     for k in range(min(n, len(batch))):

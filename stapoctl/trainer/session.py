@@ -146,7 +146,7 @@ class EngineSession:
         reference from `reference_path`, when that is another model: a resumed run's base)."""
         import ray
 
-        from stapoctl.trainer.engine_settings import learner_args, stall_timeout_s
+        from stapoctl.trainer.engine_settings import learner_args, stall_timeout_s, thread_counts
 
         self._ensure_scorer(conf)
         key = engine_key(conf, policy_path, reference_path)
@@ -162,6 +162,8 @@ class EngineSession:
             ray.get([h.reset.remote(policy_path, **args) for h in self.engines.learners])
             if self.engines.stall is not None:  # the driver's bound, not the engines': this run's value
                 self.engines.stall.timeout_s = stall_timeout_s(conf)
+            # the reset set this run's learner threads (the rollout's are the engines', part of the key)
+            self.engines.info["threads"] = dict(zip(("rollout", "learner"), thread_counts(conf)))
             self.engines.push_weights()  # every vLLM actor back to the base weights
             self.engines.info["reset_s"] = time.perf_counter() - t0
             self.engines.info["reused"] = True

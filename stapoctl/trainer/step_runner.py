@@ -208,7 +208,8 @@ class StepRunner:
         args = (loss_view(batch, self.conf), self._last_old, self._last_entropy, self.loss_cfg)
         kwargs = dict(step=step, mini_rows=mini_rows, decode=self.data.tokenizer.decode, keep_dir=keep, buffer=active(),
                       drift=getattr(self, "_last_drift", None), seed=int(OmegaConf.select(self.conf, "trainer.seed",
-                                                                                          default=0) or 0))
+                                                                                          default=0) or 0),
+                      upload=bool(OmegaConf.select(self.conf, "tracking.log_artifacts", default=True)))
         if self._diag_pool is None:
             self._diag_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stapoctl-diagnostics")
         self._diag_jobs.append((step, self._diag_pool.submit(log_step, *args, **kwargs)))
