@@ -401,7 +401,9 @@ TABLE: dict[str, Any] = {
     "rollout.weight_sync_timeout_s": N("the bound on a push that takes ~0.1 s here", run="two_workers", value=60.0,
                                        unit="tests/test_weight_sync_faults.py::test_a_stopped_worker_ends_the_resumed_run_within_the_sync_timeout"),
     "rollout.stall_timeout_s": N("a worker whose progress stands still this long ends the run: none stalls in a "
-                                 "healthy run", run="rollout_n", value=300.0),
+                                 "healthy run", run="rollout_n", value=300.0,
+                                 unit="tests/test_weight_sync_faults.py::"
+                                      "test_a_worker_stopped_while_generating_ends_the_run_within_the_stall_bound"),
     # -- learner
     "learner.backend": C("tests/test_config_matrix_units.py::test_an_engine_that_is_not_there_is_refused_in_one_line",
                          "deepspeed is the only learner backend: another name is refused before anything starts"),
