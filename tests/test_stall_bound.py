@@ -147,3 +147,18 @@ def test_the_knob_is_declared_positive():
     assert compose_config([]).rollout.stall_timeout_s == 600.0
     with pytest.raises(UserError, match=r"rollout.stall_timeout_s=0.0 must lie in \(0, inf\)"):
         compose_config(["rollout.stall_timeout_s=0"])
+
+
+def test_a_board_that_does_not_answer_is_no_evidence_until_it_stays_silent_for_the_bound(monkeypatch):
+    """A failed read never ends a healthy run on its own (review finding): only a board silent for
+    the whole bound does, and the line says that, not that a worker stalled."""
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    watch = _Watch(None)
+    watch.check({0}, 900.0, "generating")  # waited 100 s > 20, but nothing read: no verdict
+    now[0] += 15.0
+    watch.check({0}, 900.0, "generating")
+    now[0] += 6.0
+    with pytest.raises(EngineFault, match=r"progress board did not answer for 20 s while generating"):
+        watch.check({0}, 900.0, "generating")
+    assert watch.stalled is None

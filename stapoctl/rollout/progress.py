@@ -37,11 +37,13 @@ class ProgressBoard:
         """index → count, phase, pid and `still_s`: seconds since its count or phase last moved."""
         now = time.monotonic()
         return {i: {**{k: v for k, v in s.items() if k != "changed"}, "still_s": now - s["changed"]}
-                for i, s in self._seen.items()}
+                for i, s in list(self._seen.items())}
 
 
 class Heartbeat:
-    """In the rollout actor: phases and engine steps, sent to the board (never raises)."""
+    """In the rollout actor: phases and engine steps, sent to the board (never raises). `board`: the
+    board's handle, or its actor name (what a rollout actor is given: a handle among its constructor
+    arguments would put them in the object store, where Ray warns a restart may not find them)."""
 
     def __init__(self, board: Any, index: int, every_s: float = 0.5):
         self.board, self.index, self.every_s = board, int(index), float(every_s)
@@ -60,6 +62,10 @@ class Heartbeat:
     def _send(self) -> None:
         self._sent = time.monotonic()
         try:
+            if isinstance(self.board, str):  # looked up once, by name (a GCS call of ~1 ms)
+                import ray
+
+                self.board = ray.get_actor(self.board)
             self.board.beat.remote(self.index, self.count, self.current, self.pid)
         except Exception:  # the board is an aid to the driver's bound: a worker never fails on it
             pass
@@ -79,16 +85,20 @@ class Heartbeat:
         engine.step = counted
 
 
-def make_board(node_affinity: Optional[str] = None) -> Any:
-    """The board actor, on the driver's node (no CPU asked: it must never wait for a placement)."""
+def make_board(node_affinity: Optional[str] = None) -> tuple[Any, str]:
+    """The board actor and its name, on the driver's node (no CPU asked: it must never wait for a
+    placement). One call at a time: a worker's beats arrive in the order it sent them."""
+    import uuid
+
     import ray
 
     from stapoctl.launch.ray_runtime import runtime_context
 
-    opts: dict[str, Any] = dict(num_cpus=0, max_concurrency=4)
+    name = f"stapoctl-progress-{uuid.uuid4().hex[:12]}"
+    opts: dict[str, Any] = dict(num_cpus=0, max_concurrency=1, name=name)
     node = node_affinity or getattr(runtime_context(), "get_node_id", lambda: None)()
     if node:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
-    return ray.remote(ProgressBoard).options(**opts).remote()
+    return ray.remote(ProgressBoard).options(**opts).remote(), name

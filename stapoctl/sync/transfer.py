@@ -222,7 +222,7 @@ class WeightSync:
         cause = err.cause if err is not None else (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
         silent = [roles[index[id(r)]] for r in pending if roles[index[id(r)]][0] == "rollout"]
         silent = [r for r in silent if not ray.wait([refs_of(pending, roles, index, r)], timeout=0)[0]]
-        if role[0] == "learner" and silent:  # its side timed out waiting on a worker that never answered
+        if role[0] == "learner" and silent and "time" in cause.lower():  # its side timed out waiting on a worker
             return (f"{', '.join(self._name(*r) for r in silent)} stopped answering mid-push over {self.method} "
                     f"({self._name(*role)}'s side gave up first: {cause})")
         return f"the weight sync over {self.method} failed in {self._name(*role)}: {cause}"

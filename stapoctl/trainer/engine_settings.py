@@ -53,7 +53,10 @@ def old_logprob_source(conf: DictConfig) -> str:
     if source != "auto":
         return source
     exact = conf.trainer.mode == "sync" and conf.model.dtype in ("float32", "fp32")
-    return "rollout" if exact else "recompute"
+    # on a GPU vLLM cuts the nucleus with its Triton kernel, which approximates the cut the learner
+    # replays (vLLM-CPU runs the PyTorch reference): the learner's own π_old there, until measured
+    gpu_nucleus = float(conf.rollout.top_p) < 1.0 and float(conf.rollout.gpus_per_worker or 0) > 0
+    return "rollout" if exact and not gpu_nucleus else "recompute"
 
 
 def stall_timeout_s(conf: DictConfig) -> float:

@@ -270,8 +270,10 @@ class EngineLaunch:
         try:
             info_refs = [w.info.remote() for w in self.workers]
             # start-up bounded by progress: each vLLM actor's phases, the learner ranks' set-up as a deadline
-            self.stall.wait({**{ref: i for i, ref in enumerate(info_refs)}, **{ref: None for ref in self.setup_refs}},
-                            "starting", deadline_label="the learner ranks' set-up")
+            if self.stall is not None:
+                self.stall.wait({**{ref: i for i, ref in enumerate(info_refs)},
+                                 **{ref: None for ref in self.setup_refs}},
+                                "starting", deadline_label="the learner ranks' set-up")
             worker_info = ray.get(info_refs)
             learner_info = ray.get(self.setup_refs)
             self.marks["actors_up"] = time.time()
@@ -308,9 +310,10 @@ class EngineLaunch:
                           worker_pids=[w["pid"] for w in worker_info], max_restarts=rollout_max_restarts(r, self.method),
                           say=say, stall=self.stall)
         sync.name_actor = engines.actor_label
-        self.stall.label = lambda i: engines.actor_label("rollout", i)
-        sync.progress_check = lambda waiting, start: self.stall.check(waiting, start,
-                                                                   f"the weight push over {self.method} waited for it")
+        if self.stall is not None:
+            self.stall.label = lambda i: engines.actor_label("rollout", i)
+            sync.progress_check = lambda waiting, start: self.stall.check(
+                waiting, start, f"the weight push over {self.method} waited for it")
         record_start(info)  # tests only (STAPOCTL_TEST_ENGINE_LOG; launch/engine_log.py)
         return engines
 
@@ -354,14 +357,14 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
     spec = engine_spec(conf, policy_path, method, on_gpu)
     marks["placement_ready"] = time.time()
     workers: list = []
-    board = make_board()  # the workers' progress (rollout/progress.py), for rollout.stall_timeout_s
+    board, board_name = make_board()  # the workers' progress (rollout/progress.py), for rollout.stall_timeout_s
     try:
         for i in range(int(r.num_workers)):  # every resource an actor asks is the placement's (actor_asks)
             opts = placement.rollout_options(i)
             workers.append(make_rollout_worker(spec, num_cpus=opts["num_cpus"], num_gpus=opts["num_gpus"],
                                                options=opts, synced=True, on_gpu=on_gpu,
                                                max_restarts=rollout_max_restarts(r, method),
-                                               env_extra=placement.rollout_env(i), progress=(board, i)))
+                                               env_extra=placement.rollout_env(i), progress=(board_name, i)))
         marks["rollout_created"] = time.time()
         if spec.colocated:  # vLLM sizes its memory before the learner allocates beside it
             ray.get([w.info.remote() for w in workers])

@@ -134,8 +134,12 @@ class Loop:
             if ahead:  # a step's wall time includes the overlapped generation
                 metrics["timing_s/step"] = time.perf_counter() - t_prev
             t_prev = time.perf_counter()
-            self._log_step(view, step, due, batch, metrics, replay)
+            logged = self._log_step(view, step, due, batch, metrics, replay)
             alarm_save = self._alarms(view, step, metrics)
+            if not logged and (self.alarmed or alarm_save or (self.stop is not None and self.stop.requested is not None)):
+                from stapoctl.tracking import mlflow_run  # off trainer.log_every's cadence: the evidence stays
+
+                mlflow_run.log_metrics(metrics, step=step)
             last = metrics
             if self.stop is not None:
                 self.stop.step_done(step, metrics.get("timing_s/step", 0.0))
@@ -162,8 +166,9 @@ class Loop:
                                                                       highlight=False, soft_wrap=True))
         return PlainSteps(self.runner, self.sampler, ahead, total)
 
-    def _log_step(self, view, step: int, due: Cadence, batch, metrics: dict, replay: ReplayCheck) -> None:
-        """Validation when due, then the step's metrics, tags, token diagnostics and view line."""
+    def _log_step(self, view, step: int, due: Cadence, batch, metrics: dict, replay: ReplayCheck) -> bool:
+        """Validation when due, then the step's metrics, tags, token diagnostics and view line; whether
+        the step's metrics went to MLflow (`trainer.log_every`)."""
         from stapoctl.tracking import mlflow_run
 
         conf, runner = self.conf, self.runner
@@ -175,14 +180,17 @@ class Loop:
         metrics["fault/rollout_restarts"] = float(runner.engines.rollout_restarts)
         replay.check(step, metrics)
         every = int(conf.trainer.get("log_every") or 1)  # trainer.log_every: every N steps and the last;
-        if step % every == 0 or step == due.total:  # a validation between them logs its own val/ metrics
+        logged = step % every == 0 or step == due.total  # a validation between them logs its own val/ metrics
+        if logged:
             mlflow_run.log_metrics(metrics, step=step)
         elif any(k.startswith("val/") for k in metrics):
-            mlflow_run.log_metrics({k: v for k, v in metrics.items() if k.startswith("val/")}, step=step)
+            mlflow_run.log_metrics({k: v for k, v in metrics.items() if k.startswith(("val/", "timing_s/val"))},
+                                   step=step)
         set_tags({"stapoctl.step": str(step)})
         if due.diag_every > 0 and step % due.diag_every == 0 and batch is not None:
             runner.log_diagnostics(batch, step, self.run_dir)
         view.step(step, metrics)
+        return logged
 
     def _alarms(self, view, step: int, metrics: dict) -> bool:
         """The run-health alarms this step's metrics raise: one line each and the MLflow tag

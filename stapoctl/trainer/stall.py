@@ -32,6 +32,7 @@ class StallWatch:
     def __init__(self, board: Any, timeout_s: float, label: Callable[[int], str] = lambda i: f"rollout worker {i}"):
         self.board, self.timeout_s, self.label = board, float(timeout_s), label
         self.stalled: Optional[int] = None  # the worker that stalled, once one has
+        self._unread_since: Optional[float] = None  # the board has not answered since then
 
     def wait(self, refs: dict, doing: str, deadline_label: str = "") -> None:
         """Until every ref in `refs` (ref → the rollout worker index it waits on, or None for another
@@ -52,6 +53,13 @@ class StallWatch:
             return
         workers = sorted(w for w in waiting if w is not None)
         board = self.read()
+        if board is None:  # no reading is no evidence: only a board silent for the whole bound ends the run
+            self._unread_since = self._unread_since or time.monotonic()
+            if workers and time.monotonic() - self._unread_since > self.timeout_s:
+                raise EngineFault(f"the rollout workers' progress board did not answer for {self.timeout_s:g} s "
+                                  f"while {doing} (rollout.stall_timeout_s): the driver cannot see their progress")
+            return
+        self._unread_since = None
         for w in workers:
             seen = board.get(w)
             still = min(waited, seen["still_s"]) if seen else waited
@@ -67,11 +75,11 @@ class StallWatch:
             raise EngineFault(f"{deadline_label or 'an engine actor'} did not finish {doing} within "
                               f"rollout.stall_timeout_s={self.timeout_s:g}")
 
-    def read(self) -> dict:
-        """The board, or {} when it does not answer in time (every worker then counts as still)."""
+    def read(self) -> Optional[dict]:
+        """The board, or None when it does not answer in time."""
         import ray
 
         try:
             return ray.get(self.board.read.remote(), timeout=10.0)
         except Exception:
-            return {}
+            return None
