@@ -227,6 +227,7 @@ def test_the_node_wait_names_who_is_missing():
     assert missing(alive, ["gpu001"], 8) == [] and missing(alive, ["gpu002"], 0) == []
 
 
+@pytest.mark.engine
 def test_the_node_wait_against_a_real_ray_head(ray_head):
     """One node joined (this one), one host that never will: exit 1 within its bound, naming it."""
     import socket

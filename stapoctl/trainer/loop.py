@@ -136,7 +136,7 @@ class Loop:
             t_prev = time.perf_counter()
             logged = self._log_step(view, step, due, batch, metrics, replay)
             alarm_save = self._alarms(view, step, metrics)
-            if not logged and (self.alarmed or alarm_save or (self.stop is not None and self.stop.requested is not None)):
+            if logged is False and (self.alarmed or alarm_save or (self.stop is not None and self.stop.requested is not None)):
                 from stapoctl.tracking import mlflow_run  # off trainer.log_every's cadence: the evidence stays
 
                 mlflow_run.log_metrics(metrics, step=step)
