@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 RECEIVING = "receiving weights"  # the push's own bound (rollout.weight_sync_timeout_s) covers this phase
 
@@ -85,7 +85,7 @@ class Heartbeat:
         engine.step = counted
 
 
-def make_board(node_affinity: Optional[str] = None) -> tuple[Any, str]:
+def make_board() -> tuple[Any, str]:
     """The board actor and its name, on the driver's node (no CPU asked: it must never wait for a
     placement). One call at a time: a worker's beats arrive in the order it sent them."""
     import uuid
@@ -96,7 +96,7 @@ def make_board(node_affinity: Optional[str] = None) -> tuple[Any, str]:
 
     name = f"stapoctl-progress-{uuid.uuid4().hex[:12]}"
     opts: dict[str, Any] = dict(num_cpus=0, max_concurrency=1, name=name)
-    node = node_affinity or getattr(runtime_context(), "get_node_id", lambda: None)()
+    node = getattr(runtime_context(), "get_node_id", lambda: None)()
     if node:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

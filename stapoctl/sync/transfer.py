@@ -94,11 +94,6 @@ class LearnerDrivenPush(EnginePush):
 PUSHES = {"object_store": ObjectStorePush, "engine": EnginePush, "engine_learner_driven": LearnerDrivenPush}
 
 
-def refs_of(pending: list, roles: list, index: dict, role: tuple) -> Any:
-    """The pending ref of `role` ((role name, actor))."""
-    return next(r for r in pending if roles[index[id(r)]] is role or roles[index[id(r)]] == role)
-
-
 class WeightSync:
     """`link`: what a linked transport needs besides the actors (`tp_size`, `timeout_s`). `timeout_s`
     also bounds every wait on a push. `name_actor(role, index)`: how a stalled or dead actor is named
@@ -220,8 +215,8 @@ class WeightSync:
             return line + (f"; weight_sync={self.method} cannot re-link a new vLLM process" if who[0] == "rollout" else "")
         err = remote_error(exc)
         cause = err.cause if err is not None else (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
-        silent = [roles[index[id(r)]] for r in pending if roles[index[id(r)]][0] == "rollout"]
-        silent = [r for r in silent if not ray.wait([refs_of(pending, roles, index, r)], timeout=0)[0]]
+        silent = [roles[index[id(r)]] for r in pending
+                  if roles[index[id(r)]][0] == "rollout" and not ray.wait([r], timeout=0)[0]]
         if role[0] == "learner" and silent and "time" in cause.lower():  # its side timed out waiting on a worker
             return (f"{', '.join(self._name(*r) for r in silent)} stopped answering mid-push over {self.method} "
                     f"({self._name(*role)}'s side gave up first: {cause})")

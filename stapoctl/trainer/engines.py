@@ -24,7 +24,7 @@ from stapoctl.launch.actor_errors import describe_actor_death, user_error_in
 from stapoctl.launch.engine_log import record_start
 from stapoctl.launch.ray_runtime import startup_phases
 from stapoctl.trainer.engine_settings import learner_args, stall_timeout_s, thread_counts
-from stapoctl.trainer.rollout_loss import is_rollout_loss, lost_for_good, rollout_max_restarts  # noqa: F401 (re-exported)
+from stapoctl.trainer.rollout_loss import is_rollout_loss, lost_for_good, rollout_max_restarts
 from stapoctl.trainer.stall import StallWatch
 
 
@@ -375,7 +375,7 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
     except BaseException:
         Engines(workers=workers, learners=[], sync=None, placement=placement, stall=StallWatch(board, 0)).shutdown()
         raise
-    stall = StallWatch(board, stall_timeout_s(conf), label=lambda i: f"rollout worker {i}")
+    stall = StallWatch(board, stall_timeout_s(conf))
     return EngineLaunch(conf=conf, console=console, t0=t0, t_ray=t_ray, started_ray=started_ray, method=method,
                         placement=placement, workers=workers, learners=learners, setup_refs=setup_refs, marks=marks,
                         stall=stall)
