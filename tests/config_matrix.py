@@ -311,6 +311,8 @@ TABLE: dict[str, Any] = {
     **{f"data.toy.{f}": SPLIT for f in ("num_train", "num_heldout", "operand_min", "addend_max", "factor_max")},
     # -- loss: the shared fields
     "loss.name": R("<every registered loss>", "<LOSS_NAME>"),
+    "loss.modules": C("tests/test_loss_modules_e2e.py::test_a_method_of_ones_own_module_trains_and_a_reset_reloads_it",
+                      "a package of one's own written by the test, trained on the shared engines, edited, reloaded"),
     "loss.adv_estimator": R("dr_grpo", "kl_clamp", differs("critic/advantages/max")),
     "loss.std_mode": R("unbiased", "kl", differs("critic/advantages/max")),
     "loss.adv_eps": R(0.5, "entropy20", differs("critic/advantages/max")),

@@ -160,7 +160,8 @@ def ray_head():
 # sweep process, test_fault_recovery's P1/P2) runs beside the pool's idle engines.
 POOL_ORDER = (
     "test_scale_out.py",  # 2x2 (its resume on the same engines), then the embedded default's key
-    "test_train_e2e.py", "test_sweep_e2e.py",  # the sweep's in-process resume on the default's engines
+    "test_train_e2e.py", "test_golden_run.py", "test_sweep_e2e.py",  # the sweep's resume on the default's engines
+    "test_loss_modules_e2e.py",  # loss.modules: a method of one's own on those engines, edited, reloaded by a reset
     "test_weight_sync.py",  # its learner reset to its own settings on those engines
     "test_resume_retention_e2e.py", "test_session.py",  # ends on fresh default engines
     "test_fault_recovery.py",  # P3 on those; P4 on fresh ones after P3's learner died

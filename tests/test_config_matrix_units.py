@@ -80,8 +80,9 @@ def test_the_plan_reads_the_gpu_memory():
     from stapoctl.config.compose import compose_config
     from stapoctl.preflight.memory_plan import build_plan
 
-    fits = build_plan(compose_config(["experiment=stapo_qwen3_8b"]))
-    small = build_plan(compose_config(["experiment=stapo_qwen3_8b", "cluster.gpu_mem_gb=24"]))
+    # here=False: planned for the cluster from elsewhere (where the run executes, a visible card wins)
+    fits = build_plan(compose_config(["experiment=stapo_qwen3_8b"]), here=False)
+    small = build_plan(compose_config(["experiment=stapo_qwen3_8b", "cluster.gpu_mem_gb=24"]), here=False)
     per_gpu = [[p for p in plan.problems if "per GPU" in p] for plan in (fits, small)]
     assert (fits.device_gib, small.device_gib) == (80.0, 24.0) and not per_gpu[0] and per_gpu[1], per_gpu
 

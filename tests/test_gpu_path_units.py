@@ -96,7 +96,8 @@ def test_the_ray_options_each_actor_is_started_with_are_its_ask():
     learner = placement.learner_options(3)
     assert (learner["num_cpus"], learner["num_gpus"], learner["scheduling_strategy"].placement_group_bundle_index) \
         == (1.0, 0.5, 3)
-    assert placement.rollout_env(1) == {"VLLM_RAY_BUNDLE_INDICES": "2,3", "VLLM_RAY_PER_WORKER_GPUS": "0.5"}
+    assert placement.rollout_env(1) == {"VLLM_RAY_BUNDLE_INDICES": "2,3", "VLLM_RAY_PER_WORKER_GPUS": "0.5",
+                                        "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
 
 
 @pytest.mark.parametrize("gpus_per_worker,gpus_per_rank,ranks", [(2, 1, 4), (1, 2, 2)])
@@ -254,3 +255,33 @@ def test_the_interface_name_is_one_interface():
         assert rendezvous_address(OmegaConf.create({"cluster": {"socket_ifname": None}}))[0] == "127.0.0.1"
     finally:
         os.environ.pop("NCCL_SOCKET_IFNAME") if old is None else os.environ.__setitem__("NCCL_SOCKET_IFNAME", old)
+
+
+def test_colocated_tp2_rollout_actor_keeps_cuda_whatever_the_site_sets(monkeypatch):
+    """#49 R9: the colocated TP-2 rollout actor asks num_gpus=0. Ray 2.60 blanks CUDA_VISIBLE_DEVICES of
+    such an actor when RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO is true, read in the worker process at the
+    actor's creation (ray/_private/utils.py set_visible_accelerator_ids); vLLM then builds its CPU
+    engine. The actor's runtime_env sets it false, and that value wins over the site's."""
+    import os
+
+    import ray
+    from ray._private import utils as ray_utils
+
+    from stapoctl.launch.placement import Placement
+
+    env = Placement(colocated=True, rollout_stride=2).rollout_env(1)
+    assert env["VLLM_RAY_BUNDLE_INDICES"] == "2,3" and env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == "0"
+    assert Placement(colocated=True, rollout_stride=1).rollout_env(0) == {}  # TP 1 holds half a GPU itself
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Ctx", (), {
+        "get_accelerator_ids": lambda self: {"GPU": []}})())  # what a num_gpus=0 actor is given
+    monkeypatch.delenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "1")  # the site's raylet environment
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    ray_utils.set_visible_accelerator_ids()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # without the actor's value: no GPU in the actor
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    for key in env:  # restored after the test
+        monkeypatch.setenv(key, "")
+    ray_utils.update_envs(env)  # as Ray applies an actor's runtime_env env_vars to its worker
+    ray_utils.set_visible_accelerator_ids()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"

@@ -1,5 +1,5 @@
 """Where a library already says it: the CPUs this process may use (its affinity, not the machine's
-count), a rendezvous port free on the address it is used at, Ray's own terminal job states and
+count), a rendezvous port held on the address it is given at, Ray's own terminal job states and
 one job client per server, submitit's names for a task's files. Nothing here starts an engine."""
 
 from __future__ import annotations
@@ -27,23 +27,20 @@ def test_local_ray_gets_the_cpus_of_this_process_affinity(monkeypatch):
     assert asked["num_cpus"] == 2
 
 
-def test_rendezvous_port_is_free_on_the_address_it_is_given_at(monkeypatch):
+def test_rendezvous_port_is_held_on_the_address_it_is_given_at(monkeypatch):
+    """Rank 0 answers with the node's address and a port its store listens on already (issue #49
+    R4: a port found free and bound later may be taken meanwhile; tests/test_port_binding.py)."""
+    import errno
+
     from stapoctl.learner import engine_setup
 
-    bound = []
-
-    class Recording(socket.socket):
-        def bind(self, address):
-            bound.append(address[0])
-            return super().bind(address)
-
     monkeypatch.setattr(engine_setup, "node_ip", lambda: "127.0.0.2")  # the node's address, not 127.0.0.1
-    monkeypatch.setattr(engine_setup.socket, "socket", Recording)
-    host, port = engine_setup.EngineSetup.rendezvous(SimpleNamespace())
-    assert host == "127.0.0.2" and bound == ["127.0.0.2"]
-    monkeypatch.undo()
-    with socket.socket() as s:  # and it is free there
+    rank0 = SimpleNamespace(world_size=2)
+    host, port = engine_setup.EngineSetup.rendezvous(rank0, 5.0)
+    assert host == "127.0.0.2" and port == rank0._rendezvous_store.port
+    with socket.socket() as s, pytest.raises(OSError) as taken:  # and it is held there
         s.bind((host, port))
+    assert taken.value.errno == errno.EADDRINUSE
 
 
 def test_ray_job_states_and_one_client_per_server(monkeypatch):

@@ -16,7 +16,7 @@ EXPECTED = {
     "tr_grpo", "ppl_shaping", "position_shaping", "stare", "advantage_reweighting",
 }
 SCALARS = {int, float, bool, str}
-LIST_FIELDS = ("token_rules", "shadow")  # config fields are scalars except these (config/token_rules.py, shadow_rules.py)
+LIST_FIELDS = ("token_rules", "shadow", "modules")  # lists: config/token_rules.py, shadow_rules.py, loss_modules.py
 REQUIRED_METRICS = {
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "stapo/spurious_ratio",
     "stapo/spurious_count", "stapo/entropy_threshold", "stapo/masked_pos_adv_ratio",

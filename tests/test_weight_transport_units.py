@@ -135,7 +135,8 @@ def test_tp2_bundle_layouts():
     [colocated] = role_plans(r, OmegaConf.merge(lrn, {"placement": "colocated"}))
     assert (colocated.count, colocated.bundle["GPU"]) == (4, 1.0)  # 2 actors × TP 2 = 4 shared GPUs
     layout = Placement(colocated=True, rollout_stride=2)
-    assert layout.rollout_env(1) == {"VLLM_RAY_BUNDLE_INDICES": "2,3", "VLLM_RAY_PER_WORKER_GPUS": "0.5"}
+    assert layout.rollout_env(1) == {"VLLM_RAY_BUNDLE_INDICES": "2,3", "VLLM_RAY_PER_WORKER_GPUS": "0.5",
+                                     "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
     assert Placement(colocated=True, rollout_stride=1).rollout_env(0) == {}
     assert Placement(colocated=False, rollout_stride=2).rollout_env(0) == {}
 

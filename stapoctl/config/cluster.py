@@ -48,7 +48,9 @@ class ClusterConfig:
     constraint: Optional[str] = None
     nodes: int = 1  # > 1: a Ray head on the first node, Ray workers on the others
     gpus_per_node: int = 8
-    # one GPU's memory for `stapoctl plan` where no GPU is visible (a login node; SLURM presets set it)
+    # one GPU's memory in GiB (2**30 bytes, as torch reports total_memory) for the memory plan where no GPU is
+    # visible (a login node, `plan`/`submit` for a cluster; SLURM presets set it). An 80 GB H100 shows
+    # ≈79.6 GiB: say 79. Where the run executes and sees a card (train, its job, doctor) the card wins
     gpu_mem_gb: float = spec(80.0, range=POSITIVE)
     cpus_per_task: int = 16  # one task per node: the driver (1 node) or a Ray node
     mem_gb: Optional[float] = None  # per node; None: the site's default

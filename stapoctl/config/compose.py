@@ -35,6 +35,7 @@ class ConfigError(UserError):
 HF_MODELS = {preset_name(hub_id): hub_id for hub_id in QWEN3_SHAPES}
 
 _registered = False
+_stored_losses: dict[str, type] = {}  # loss name → the config class its ConfigStore node was made from
 
 
 def _map_fields(node: Any = S.StapoctlConfig, prefix: str = "") -> tuple[str, ...]:
@@ -55,13 +56,18 @@ DICT_FIELDS = _map_fields()  # rollout.resources, learner.resources, tracking.ta
 
 
 def register_configs() -> None:
-    """Put every typed node into Hydra's ConfigStore (idempotent)."""
+    """Put every typed node into Hydra's ConfigStore: once, and a loss registered (or re-registered
+    by a reload) since the last call (`loss.modules`: a method of the researcher's own)."""
     global _registered
-    if _registered:
-        return
     from stapoctl.config.losses import LOSS_CONFIGS  # torch-free: not the loss library itself
 
     cs = ConfigStore.instance()
+    for name, config_cls in LOSS_CONFIGS.items():
+        if _stored_losses.get(name) is not config_cls:
+            cs.store(group="loss", name=name, node=config_cls())
+            _stored_losses[name] = config_cls
+    if _registered:
+        return
     cs.store(name="stapoctl", node=S.StapoctlConfig)
     cs.store(group="model", name="tiny", node=S.ModelConfig())
     for name, hf_id in HF_MODELS.items():
@@ -72,8 +78,6 @@ def register_configs() -> None:
         name="dapo_math_17k",
         node=S.DataConfig(name="dapo-math-17k", train_batch_size=256, max_prompt_length=1024),
     )
-    for name, config_cls in LOSS_CONFIGS.items():
-        cs.store(group="loss", name=name, node=config_cls())
     for group, node in (
         ("rollout", S.RolloutConfig),
         ("learner", S.LearnerConfig),
@@ -216,9 +220,9 @@ def _explain(exc: Exception, experiment: str, overrides: list[str]) -> ConfigErr
         options = group_options(group)
         near = _closest(option, options)
         hint = f" did you mean '{group}={near}'?" if near else ""
-        return ConfigError(
-            f"unknown option '{group}={option}':{hint} (options: {', '.join(options)})"
-        )
+        own = "; a method of your own module: name it on the command line, loss.modules=[my_pkg.my_losses]" \
+            if group == "loss" else ""
+        return ConfigError(f"unknown option '{group}={option}':{hint} (options: {', '.join(options)}){own}")
     bad = None
     for item in overrides:
         key = ov.key_of(item)
@@ -247,6 +251,9 @@ def _explain(exc: Exception, experiment: str, overrides: list[str]) -> ConfigErr
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
     """The resolved, typed config for `stapoctl train|eval|sweep` with these overrides."""
+    from stapoctl.config.loss_modules import import_modules, requested
+
+    import_modules(requested(overrides or []))  # before compose: `loss=NAME` of such a module is an option
     register_configs()
     experiment, rest = _rewrite(list(overrides or []))
     if experiment not in available_experiments():

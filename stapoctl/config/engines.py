@@ -60,8 +60,10 @@ class RolloutConfig:
     # object_store | gloo (a collective over torch.distributed gloo, CPU or GPU) | nccl | ipc
     weight_sync: str = spec("auto", choices=WEIGHT_TRANSPORTS)
     # how long a linked transport's rendezvous waits for every vLLM worker (a missing or duplicate
-    # rank fails after this instead of hanging), and how long the driver waits on any push: a worker
-    # that dies or stops answering mid-push ends the run within it, named in one line
+    # rank fails after this instead of hanging), and how long a push's transfer may take, counted from
+    # the learner's send: a worker that dies or stops answering mid-push ends the run within it, named
+    # in one line. An async gloo/NCCL push sends once every worker has finished the rollouts queued
+    # before it (rollout.stall_timeout_s bounds those), so a long rollout step never counts here
     weight_sync_timeout_s: float = spec(1800.0, range=POSITIVE)
     # a rollout worker whose progress (vLLM engine steps, start-up phases) stands still this long while
     # the driver waits on it — starting, generating — ends the run FAILED in one line naming it

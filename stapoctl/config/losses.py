@@ -6,15 +6,14 @@ input refused before anything starts, a sweep's plan) imports neither torch nor 
 `stapoctl train` imports torch on a thread while Ray starts. `LOSS_CONFIGS` names the built-ins;
 `stapoctl.losses.register_loss` adds a method registered at run time.
 
-Every field is Hydra/OmegaConf-friendly (int/float/bool/str/Optional of those, and two lists:
-``token_rules``, a list of dicts in YAML and on the command line, checked by
-`config.token_rules`, and ``shadow``, presets or rules only measured, `config.shadow_rules`) and carries
+Every field is Hydra/OmegaConf-friendly (int/float/bool/str/Optional of those, and three lists:
+``token_rules``, a list of dicts in YAML and on the command line, checked by `config.token_rules`,
+``shadow``, presets or rules only measured, `config.shadow_rules`, and ``modules``, `config.loss_modules`) and carries
 its help text in ``metadata["help"]`` so `stapoctl losses` and docs/LOSSES.md can show it, and
 its valid values (``range="(0, 1]"`` or ``choices=...``, see `stapoctl.config.fields`): checked
 when a config is built and by `stapoctl train` before anything starts. A subclass redeclaring a
-field only to change its default keeps the range declared here.
-Each registered config redeclares ``name`` so that it stays the first field with the
-registry key as default.
+field only to change its default keeps the range declared here. Each registered config redeclares
+``name`` so that it stays the first field with the registry key as default.
 """
 
 from __future__ import annotations
@@ -60,9 +59,12 @@ def check_fields(cfg: Any) -> None:
 
 @dataclass
 class AdvantageFields:
-    """How rewards become advantages (rewards arrive already scored)."""
+    """The loss's name, the modules registering it, how rewards become advantages (already scored)."""
 
     name: str = _f("", "registry key of the loss (loss=NAME)")
+    modules: List[str] = spec(help="dotted modules the driver and each learner rank import (a rank reloads them at "
+                              "every reset) before the loss is resolved: your own methods (docs/LOSSES.md)",
+                              default_factory=list)
     adv_estimator: str = _f("grpo", "grpo: (R-mean_G)/(std_G+eps); dr_grpo: R-mean_G (no std division)",
                             choices=ADV_ESTIMATORS)
     std_mode: str = _f(

@@ -63,8 +63,10 @@ def _check_engine_names(conf: DictConfig) -> None:
 
 
 def _check_loss(loss: DictConfig) -> None:
+    from stapoctl.config.loss_modules import import_modules
     from stapoctl.config.losses import LOSS_CONFIGS
 
+    import_modules(loss.get("modules") or ())  # an experiment's or a resumed run's own methods, registered first
     config_cls = LOSS_CONFIGS.get(str(loss.name))
     if config_cls is None:  # Hydra already refuses an unknown loss=NAME; a hand-made config may not
         raise UserError(f"loss.name={loss.name}: not a registered loss (see `stapoctl losses`)")

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from typing import Any, Optional
 
 from omegaconf import DictConfig
@@ -122,8 +121,10 @@ def _rank_main(rank: int, world: int, port: int, backend: str, host: str = "127.
         import torch
         import torch.distributed as dist
 
-        dist.init_process_group("gloo" if backend == "gloo" else "nccl", init_method=f"tcp://{host}:{port}",
-                                rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S / 2))
+        from stapoctl.learner import rendezvous
+
+        store = rendezvous.connect(host, port, world, TIMEOUT_S / 2)  # the parent's (`run_ranks`)
+        rendezvous.init_default_group("gloo" if backend == "gloo" else "nccl", store, rank, world, TIMEOUT_S / 2)
         results: dict[str, Any] = {}
         if backend == "gloo":
             t = torch.full((128,), float(rank + 1))
@@ -182,15 +183,19 @@ def _answer(proc: subprocess.Popen, rank: int, timeout_s: float) -> tuple[dict, 
 def run_ranks(backend: str, world: int = WORLD, timeout_s: float = TIMEOUT_S, host: str = "127.0.0.1",
               env: Optional[dict] = None) -> dict[int, tuple[dict, Optional[str]]]:
     """rank → (stage → mean, error) of `world` ranks, each its own `python -m stapoctl.doctor.comm`
-    (not multiprocessing's spawn, which re-runs the parent's main script: a Ray or SLURM job's)."""
-    from stapoctl.learner.engine_setup import free_port
+    (not multiprocessing's spawn, which re-runs the parent's main script: a Ray or SLURM job's).
+    Their store listens here before they are started, on a port the OS picks at `host`: a port
+    found free and bound later by rank 0, after its imports, may be taken meanwhile."""
+    from stapoctl.learner import rendezvous
 
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "stapoctl.doctor.comm", str(r), str(world), str(port), backend,
-                               host], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    store = rendezvous.listen(host, world, timeout_s)
+    procs = [subprocess.Popen([sys.executable, "-m", "stapoctl.doctor.comm", str(r), str(world), str(store.port),
+                               backend, host], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, **(env or {})}) for r in range(world)]
     deadline = time.monotonic() + timeout_s
-    return {r: _answer(p, r, max(1.0, deadline - time.monotonic())) for r, p in enumerate(procs)}
+    answers = {r: _answer(p, r, max(1.0, deadline - time.monotonic())) for r, p in enumerate(procs)}
+    del store  # held until every rank answered
+    return answers
 
 
 def stage_row(check: str, stage: str, got: dict[int, tuple[dict, Optional[str]]], fix: str,

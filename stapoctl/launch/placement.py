@@ -122,6 +122,10 @@ class ActorAsk:
 
 
 COLOCATED_GPU_SHARE = 0.5  # learner rank and vLLM worker each take half of their shared GPU bundle
+# Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone in an actor given no GPU unless this variable is true; Ray reads it
+# in the worker process as it creates the actor (ray/_private/utils.py set_visible_accelerator_ids), so an actor's
+# runtime_env value wins over the one the site's raylet passes down (ray/_private/accelerators/accelerator.py)
+ZERO_GPU_ENV = {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
 
 
 def actor_asks(rollout_cfg: Any, learner_cfg: Any) -> list[ActorAsk]:
@@ -196,12 +200,14 @@ class Placement:
     def rollout_env(self, i: int) -> dict[str, str]:
         """Colocated TP > 1 (GPU): rollout worker i spans the one-GPU bundles i·TP … i·TP + TP − 1, half
         of each (learner ranks hold the other halves); vLLM's Ray executor puts one TP worker in each
-        (OpenRLHF's layout). Nothing otherwise: the actor holds its GPUs or cores itself."""
+        (OpenRLHF's layout). The actor itself asks num_gpus=0 and must still see CUDA to build vLLM's
+        GPU engine: ZERO_GPU_ENV keeps a site's RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1 from blanking its
+        CUDA_VISIBLE_DEVICES. Nothing otherwise: the actor holds its GPUs or cores itself."""
         if not (self.colocated and self.rollout_stride > 1):
             return {}
         first = i * self.rollout_stride
         return {"VLLM_RAY_BUNDLE_INDICES": ",".join(str(first + k) for k in range(self.rollout_stride)),
-                "VLLM_RAY_PER_WORKER_GPUS": f"{COLOCATED_GPU_SHARE:g}"}
+                "VLLM_RAY_PER_WORKER_GPUS": f"{COLOCATED_GPU_SHARE:g}", **ZERO_GPU_ENV}
 
     def learner_options(self, rank: int) -> dict[str, Any]:
         return self.options("learner", rank)

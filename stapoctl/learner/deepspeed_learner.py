@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from stapoctl.learner.data_parallel import DataParallel
-from stapoctl.learner.engine_setup import EngineSetup, extensions_dir, uses_cuda
+from stapoctl.learner.engine_setup import EngineSetup, extensions_dir, process_group_timeout_s, uses_cuda
 from stapoctl.learner.forward import PolicyForward
 from stapoctl.learner.micro_batches import MicroBatching
 from stapoctl.learner.ppo_step import PPOStep
@@ -87,7 +87,8 @@ def make_learner_group(
             opts.update(placement.learner_options(rank))
         handles.append(actor_cls.options(**opts).remote(rank, world))
     try:  # bounded: a rank Ray cannot schedule would otherwise hold the run (and `doctor`) forever
-        addr, port = ray.get(handles[0].rendezvous.remote(), timeout=start_timeout_s)
+        # rank 0 answers with the port of a store it already listens on: no window for another process
+        addr, port = ray.get(handles[0].rendezvous.remote(process_group_timeout_s(learner)), timeout=start_timeout_s)
     except ray.exceptions.GetTimeoutError:
         from stapoctl.errors import EngineFault
 

@@ -11,21 +11,13 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import socket
 import sys
 import time
 from typing import Any, Optional
 
+from stapoctl.config.loss_modules import load_on_rank
 from stapoctl.errors import UserError
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host`, the address the rendezvous listens at (one free on loopback may be
-    taken on the node's own address)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+from stapoctl.learner.rendezvous import free_port  # noqa: F401  (tests and benchmarks import it here)
 
 
 def node_ip() -> str:
@@ -142,10 +134,14 @@ class EngineSetup:
         later = [c10d._get_default_timeout(b) for b in (dist.Backend.GLOO, dist.Backend.NCCL)]
         return float(min([backend.options._timeout, *later]).total_seconds())
 
-    def rendezvous(self) -> tuple[str, int]:
-        """Rank 0's address and a free port on its node (torch.distributed's MASTER_*)."""
+    def rendezvous(self, timeout_s: float = 3600.0) -> tuple[str, int]:
+        """Rank 0's address and the port of a store it listens on from now (torch.distributed's
+        MASTER_*), kept for `setup`'s process group: no other process can take the port meanwhile."""
+        from stapoctl.learner.rendezvous import listen
+
         host = node_ip()
-        return host, free_port(host)
+        self._rendezvous_store = listen(host, self.world_size, timeout_s)
+        return host, int(self._rendezvous_store.port)
 
     def setup(
         self,
@@ -186,21 +182,19 @@ class EngineSetup:
         return out
 
     def _join_process_group(self, learner: dict, master_addr: str, master_port: Optional[int]) -> None:
-        """torch.distributed's rendezvous from this rank's env; fixes the device every later call uses."""
+        """torch.distributed's default group on rank 0's store (`rendezvous`), then DeepSpeed's
+        `init_distributed`, which wraps it; fixes the device every later call uses."""
         import torch
 
         from stapoctl.launch.import_gc import paused_gc
+        from stapoctl.learner import rendezvous
 
         use_cuda = uses_cuda(learner)
         if not use_cuda:
             os.environ["DS_ACCELERATOR"] = "cpu"
-        os.environ.update(
-            RANK=str(self.rank),
-            LOCAL_RANK="0" if not use_cuda else os.environ.get("LOCAL_RANK", "0"),
-            WORLD_SIZE=str(self.world_size),
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port or free_port(master_addr)),
-        )
+        local_rank = "0" if not use_cuda else os.environ.get("LOCAL_RANK", "0")
+        os.environ.update(RANK=str(self.rank), LOCAL_RANK=local_rank, WORLD_SIZE=str(self.world_size),
+                          MASTER_ADDR=master_addr)
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
         with paused_gc("deepspeed.comm"):
             import deepspeed
@@ -209,13 +203,21 @@ class EngineSetup:
         if not use_cuda:
             # `deepspeed.comm.torch` as an attribute is torch itself; patch the submodule.
             sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-        timeout = datetime.timedelta(seconds=process_group_timeout_s(learner))
+        timeout_s = process_group_timeout_s(learner)
+        timeout = datetime.timedelta(seconds=timeout_s)
         # DeepSpeed creates groups of its own without a timeout (its world-group clone, the gradient
         # reduce groups: deepspeed/utils/groups.py), which take torch's default — 10 min for NCCL
         import torch.distributed.distributed_c10d as c10d
 
         c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
-        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", timeout=timeout)
+        held = getattr(self, "_rendezvous_store", None) if self.rank == 0 else None
+        store = rendezvous.store_for(self.rank, self.world_size, master_addr, master_port, timeout_s, held=held)
+        os.environ["MASTER_PORT"] = str(store.port)
+        backend = "nccl" if use_cuda else "gloo"
+        # DeepSpeed's own init binds the device on CUDA for more than one rank (deepspeed/comm/torch.py)
+        device_id = torch.device("cuda", int(local_rank)) if use_cuda and self.world_size != 1 else None
+        rendezvous.init_default_group(backend, store, self.rank, self.world_size, timeout_s, device_id=device_id)
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         self.use_cuda = use_cuda
 
@@ -262,6 +264,7 @@ class EngineSetup:
         learner computes what a freshly started one would.
         """
         t0 = time.perf_counter()
+        load_on_rank(learner.get("loss_modules") or (), self.rank)  # loss.modules, reloaded: before the loss is read
         self._release_engine()
         if not self.use_cuda:
             self._set_threads(learner)
@@ -387,3 +390,4 @@ class EngineSetup:
                 dist.destroy_process_group()
         except Exception:
             pass
+        self._rendezvous_store = None  # rank 0's port, free again

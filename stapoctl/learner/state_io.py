@@ -46,14 +46,15 @@ class StateIO:
     def init_weight_transfer(self, method: str, rollout_handles: Sequence[Any], tp_size: int = 1,
                              timeout_s: float = 1800.0) -> None:
         """Open the registered transport's link to the vLLM workers (`sync.transports`). The link
-        reads the rank's module at each push (`module_of`): a sweep's `reset` replaces it."""
-        from stapoctl.learner.engine_setup import free_port, node_ip
+        reads the rank's module at each push (`module_of`): a sweep's `reset` replaces it. No port is
+        picked here: a linked transport's store listens on one the OS gives it before the workers are
+        told (`CollectiveTrainer.listen`), so none can be taken in between."""
+        from stapoctl.learner.engine_setup import node_ip
         from stapoctl.sync.trainer_engines import TrainerLink, build_trainer_engine
 
-        host = node_ip()  # the port is free where the link's store listens, not only on loopback
         self.transfer = build_trainer_engine(method, TrainerLink(
             module_of=lambda: self.module, zero_stage=int(self.zero_stage), rollout_handles=rollout_handles,
-            rank=self.rank, master_address=host, master_port=free_port(host), tp_size=int(tp_size),
+            rank=self.rank, master_address=node_ip(), master_port=0, tp_size=int(tp_size),
             timeout_s=float(timeout_s)))
 
     def transfer_update_info(self) -> dict:

@@ -74,14 +74,18 @@ LOSSES: dict[str, LossSpec] = {}
 
 
 def register_loss(name: str, config_cls: type, doc: Optional[str] = None) -> Callable:
-    """Decorator: register ``fn`` as loss ``name``; configs then select it with loss=NAME."""
+    """Decorator: register ``fn`` as loss ``name``; configs then select it with loss=NAME. A module
+    registering a name again replaces its own method (a reload: `loss.modules` on a reset learner
+    rank, an edited method); another module's name is refused."""
 
     def deco(fn: Callable) -> Callable:
         first = fields(config_cls)[0]
         if first.name != "name" or first.default != name:
             raise TypeError(f"{config_cls.__name__}: first field must be name: str = {name!r}")
-        if name in LOSSES:
-            raise ValueError(f"loss {name!r} is already registered")
+        before = LOSSES[name].fn.__module__ if name in LOSSES else fn.__module__
+        if before != fn.__module__:
+            raise ValueError(f"loss {name!r} is registered by {before} and again by {fn.__module__}: "
+                             "rename one of them")
         LOSSES[name] = LossSpec(name=name, fn=fn, config_cls=config_cls, doc=(doc or fn.__doc__ or "").strip())
         LOSS_CONFIGS[name] = config_cls  # composing a config sees it (config.compose reads LOSS_CONFIGS)
         return fn

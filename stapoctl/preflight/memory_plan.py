@@ -83,19 +83,34 @@ def _micro_tokens(conf: DictConfig) -> int:
     return min(rows, max(budget, longest)) if budget > 0 else rows
 
 
-def _device_memory(conf: DictConfig) -> tuple[Optional[float], str]:
+def _device_memory(conf: DictConfig, *, here: bool) -> tuple[Optional[float], str]:
+    """One GPU's memory in GiB (2**30 bytes). Where the run executes (`here`: train, its job, the
+    doctor) and torch sees CUDA, the card wins over `cluster.gpu_mem_gb`: a local `train` of the
+    Table-6 recipes resolves `cluster.name=slurm` and would size colocated vLLM's KV bytes from
+    the preset. Elsewhere (a login node, `plan`/`submit` for a cluster) the setting."""
     on_gpu = float(conf.learner.gpus_per_rank or 0) > 0 or float(conf.rollout.gpus_per_worker or 0) > 0
     if not on_gpu:
         return None, "CPU run"
-    if conf.cluster.name == "local" and not conf.cluster.address:
-        from stapoctl.preflight.machine import local_gpus
+    preset = float(conf.cluster.gpu_mem_gb)
+    if here:
+        card = _card_gib()
+        if card is not None:
+            gib, name = card
+            other = "" if abs(gib - preset) < 0.05 else f"; cluster.gpu_mem_gb={preset:g} not used"
+            return gib, f"{name}, found here{other}"
+    return preset, f"cluster.gpu_mem_gb={preset:g}, read as GiB"
 
-        if local_gpus():
-            import torch
 
-            mem = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
-            return mem / M.GIB, f"{torch.cuda.get_device_name(0)} (found here)"
-    return float(conf.cluster.gpu_mem_gb), f"cluster.gpu_mem_gb={conf.cluster.gpu_mem_gb:g}"
+def _card_gib() -> Optional[tuple[float, str]]:
+    """The smallest visible CUDA device's memory in GiB, and its name; None without CUDA."""
+    from stapoctl.preflight.machine import local_gpus
+
+    if not local_gpus():
+        return None
+    import torch
+
+    mem = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return mem / M.GIB, str(torch.cuda.get_device_name(0))
 
 
 def host_memory_gib() -> float:
@@ -103,7 +118,8 @@ def host_memory_gib() -> float:
 
 
 def build_plan(conf: DictConfig, *, here: bool = True) -> Plan:
-    """Every role's memory, the checkpoints' disk, and the problems that make it not fit."""
+    """Every role's memory, the checkpoints' disk, and the problems that make it not fit. `here`:
+    the run executes on this machine (its disk, host memory and visible GPU are the run's)."""
     shape, source = model_shape(conf)
     if shape is None:
         raise ShapeUnknown(f"plan: cannot size model.path={conf.model.path}: its config.json is not here ({source}); "
@@ -113,7 +129,7 @@ def build_plan(conf: DictConfig, *, here: bool = True) -> Plan:
     except ArchitectureUnknown as exc:
         raise ShapeUnknown(f"plan: cannot size model.path={conf.model.path}: {exc}; give a model whose "
                            "config.json names a model_type this transformers knows") from None
-    device_gib, device_source = _device_memory(conf)
+    device_gib, device_source = _device_memory(conf, here=here)
     plan = Plan(model=str(conf.model.path or "tiny"), shape_source=source, params=params,
                 device_gib=device_gib, device_source=device_source, host_gib=host_memory_gib())
     learner = _learner(conf, shape)
@@ -126,9 +142,7 @@ def build_plan(conf: DictConfig, *, here: bool = True) -> Plan:
     rollout = _rollout(conf, shape, device_gib)
     plan.roles.append(rollout)
     if conf.learner.placement == "colocated" and learner.device == "GPU":
-        total = learner.per_device_gib + rollout.per_device_gib
-        plan.roles.append(RoleMemory("colocated", "GPU", total, {"learner": learner.per_device_gib,
-                                                                "rollout": rollout.per_device_gib}, learner.count))
+        plan.roles.append(_colocated(conf, shape, learner, rollout))
     plan.disk = disk_plan(conf, shape)
     plan.problems = _problems(conf, plan, shape, here=here)
     return plan
@@ -171,6 +185,30 @@ def _ipc_push(parts: dict, shape: dict, dtype: str, total: float) -> float:
     push = sum(parts.get(k, 0.0) for k in ("model_states", "deepspeed_buffers", "runtime", "weight_push_gather",
                                            "weight_push_buffer"))
     return max(total, push)
+
+
+def _colocated(conf: DictConfig, shape: dict, learner: RoleMemory, rollout: RoleMemory) -> RoleMemory:
+    """One shared GPU: the learner rank beside vLLM's budget. Under CUDA IPC the push adds its
+    transient to the learner's step peak, which the rank's caching allocator keeps reserved."""
+    if "weight_push_buffer" not in learner.parts:
+        parts = {"learner": learner.per_device_gib, "rollout": rollout.per_device_gib}
+        return RoleMemory("colocated", "GPU", sum(parts.values()), parts, learner.count)
+    step = sum(v for k, v in learner.parts.items() if k not in M.NOT_IN_TOTAL)
+    parts = {"learner_step": step, "rollout": rollout.per_device_gib,
+             "ipc_push_transient": ipc_push_transient(learner.parts, shape, conf.model.dtype,
+                                                      int(conf.rollout.tensor_parallel_size))}
+    # >= learner + rollout: the learner's push-only peak is below its step peak + buffer + gather
+    return RoleMemory("colocated", "GPU", sum(parts.values()), parts, learner.count)
+
+
+def ipc_push_transient(learner_parts: dict, shape: dict, dtype: str, tp: int) -> float:
+    """GiB a CUDA IPC push allocates on a colocated GPU: the learner's packed buffer, allocated anew
+    each push (vllm packed_tensor.py packed_ipc_producer), and its ZeRO-3 gathered parameter; vLLM's
+    clone of every tensor of one chunk (<= the buffer: packed_ipc_consumer) and the layer its
+    layerwise reload materialises (the largest module, sharded over TP)."""
+    buffer = learner_parts["weight_push_buffer"]
+    layer = M._largest_layer(shape) * M.dtype_bytes(dtype) / max(1, tp) / M.GIB
+    return 2 * buffer + learner_parts.get("weight_push_gather", 0.0) + layer
 
 
 def _rollout(conf: DictConfig, shape: dict, device_gib: Optional[float]) -> RoleMemory:
@@ -282,9 +320,11 @@ def _problems(conf: DictConfig, plan: Plan, shape: dict, *, here: bool) -> list[
                    "rollout/eval.max_response_length")
     colocated = plan.role("colocated")
     if colocated is not None and gpu is not None and colocated.per_device_gib > gpu:
-        out.append(f"colocated learner + rollout need {_gib(colocated.per_device_gib)} on one GPU of {_gib(gpu)}: "
-                   "lower rollout.gpu_memory_utilization, raise learner.zero_stage / learner.num_ranks, or use "
-                   "learner.placement=disaggregated")
+        push = colocated.parts.get("ipc_push_transient")
+        what = f" + the CUDA IPC push's transient ({_gib(push)})" if push else ""
+        out.append(f"colocated learner + rollout{what} need {_gib(colocated.per_device_gib)} on one GPU of "
+                   f"{_gib(gpu)} ({plan.device_source}): lower rollout.gpu_memory_utilization, raise "
+                   "learner.zero_stage / learner.num_ranks, or use learner.placement=disaggregated")
     out += _host_problems(conf, plan, here=here)
     d = plan.disk
     if here and d is not None and not d.fits:

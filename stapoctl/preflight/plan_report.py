@@ -27,7 +27,10 @@ PART_NAMES = {
     "activation_peak": "profiled peak",
     "cuda_graphs": "CUDA graphs",
     "learner": "learner",
+    "learner_step": "learner's step peak (its allocator keeps it reserved)",
     "rollout": "rollout",
+    "ipc_push_transient": "IPC push transient (learner's packed buffer + gathered parameter, vLLM's clone of a "
+                          "chunk + reloaded layer)",
 }
 ROLE_NAMES = {"learner": "learner (DeepSpeed)", "reference": "reference", "rollout": "rollout (vLLM)",
               "colocated": "colocated GPU"}
@@ -69,6 +72,8 @@ def _what(conf: DictConfig, role) -> str:
 def plan_table(conf: DictConfig, plan: Plan) -> Table:
     dev = (f"one GPU = {plan.device_gib:,.1f} GiB ({plan.device_source})" if plan.device_gib is not None
            else f"CPU run: this machine has {plan.host_gib:,.1f} GiB")
+    if plan.device_source.startswith("cluster.gpu_mem_gb"):  # GiB, not the card's marketing GB
+        dev += "; an 80 GB H100 shows ≈79.6 GiB: set 79, or plan where the card is"
     table = Table(title=escape(f"Memory plan · {plan.model} · {_count(plan.params)} parameters\n{dev}"),  # paths
                   caption=escape(f"shape from {plan.shape_source}\nestimates: docs/TRAINING.md 'Memory plan'"))
     table.add_column("role")

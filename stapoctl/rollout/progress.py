@@ -18,7 +18,9 @@ import os
 import time
 from typing import Any
 
-RECEIVING = "receiving weights"  # the push's own bound (rollout.weight_sync_timeout_s) covers this phase
+# the push's own bound (rollout.weight_sync_timeout_s) covers this phase; an asynchronous push's sends
+# wait until every worker reports it (sync/transfer.py, DeferredSends)
+RECEIVING = "receiving weights"
 
 
 class ProgressBoard:

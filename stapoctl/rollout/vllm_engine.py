@@ -25,8 +25,11 @@ def cuda_available() -> bool:
         return False
 
 
-def configure_env() -> None:
-    """Environment vLLM reads at import/engine start; must run before `import vllm`."""
+def configure_env(spec: "EngineSpec | None" = None) -> None:
+    """Environment vLLM reads at import/engine start; must run before `import vllm`. A value the
+    user exported wins."""
+    if spec is not None and spec.execute_model_timeout_s > 0:
+        os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(math.ceil(spec.execute_model_timeout_s)))
     if not cuda_available():
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -61,6 +64,9 @@ class EngineSpec:
     weight_transfer_backend: str | None = None
     colocated: bool = False  # GPU: the actor shares its GPU(s) with learner ranks
     kv_cache_bytes: int = 0  # GPU, colocated: the KV cache the memory plan leaves (0 = by utilisation)
+    # vLLM's own bound on one model step at TP > 1 (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s): set
+    # past the driver's stall bound, so a stuck step is named by that bound's line (0 = vLLM's)
+    execute_model_timeout_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -75,7 +81,7 @@ def import_vllm(spec: "EngineSpec | None" = None) -> None:
     imports while it is built. Once per process."""
     from stapoctl.launch.import_gc import paused_gc
 
-    configure_env()
+    configure_env(spec)
     in_process = (spec is not None and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
                   and not cuda_available() and executor_backend(spec, on_gpu=False) == "uni")
     modules = ("vllm.entrypoints.llm", *(CPU_ENGINE_MODULES if in_process else ()))

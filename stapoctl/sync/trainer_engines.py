@@ -112,9 +112,14 @@ class CollectiveTrainer(TrainerWeightTransferEngine[CollectiveInitInfo]):
         self.client.finish_weight_update()
 
     # -- per backend -----------------------------------------------------------------------------
+    _store: Any = None
+
     def listen(self, info: CollectiveInitInfo) -> CollectiveInitInfo:
-        """Rank 0's endpoint listening before the workers are told where (the info they get)."""
-        return info
+        """Rank 0's store bound first, on a port the OS picks, and the workers told that one (the info
+        they get): a port found free and bound later may be taken meanwhile (issue #49 R4; vLLM's own
+        `trainer_init` binds it inside `StatelessProcessGroup.create`, after the workers were told it)."""
+        self._store = gloo_group.listen(info.master_address, info.world_size, info.timeout_s)
+        return dataclasses.replace(info, master_port=int(self._store.port))
 
     def worker_init(self, info: CollectiveInitInfo) -> dict:
         raise NotImplementedError
@@ -145,12 +150,6 @@ def checked(pairs, info: dict):
 
 class GlooTrainer(CollectiveTrainer):
     bucket_bytes = buckets.DEFAULT_BUCKET_BYTES
-    _store: Any = None
-
-    def listen(self, info: CollectiveInitInfo) -> CollectiveInitInfo:
-        """The store bound first, on a port the OS picks: the workers join that one."""
-        self._store = gloo_group.listen(info.master_address, info.world_size, info.timeout_s)
-        return dataclasses.replace(info, master_port=int(self._store.port))
 
     def worker_init(self, info: CollectiveInitInfo) -> dict:
         return {"master_address": info.master_address, "master_port": info.master_port,
@@ -167,18 +166,19 @@ class GlooTrainer(CollectiveTrainer):
 
 
 class NCCLTrainer(CollectiveTrainer):
-    """UNTESTED HERE. Workers run vLLM's `NCCLWeightTransferEngine` unpacked: one broadcast per
-    tensor in metadata order, received into a buffer of its dtype and shape."""
+    """UNTESTED HERE on a GPU. Workers run vLLM's `NCCLWeightTransferEngine` unpacked: one broadcast
+    per tensor in metadata order, received into a buffer of its dtype and shape."""
 
     def worker_init(self, info: CollectiveInitInfo) -> dict:
         return {"master_address": info.master_address, "master_port": info.master_port,
                 "world_size": info.world_size, "packed": False}
 
     def open_endpoint(self, info: CollectiveInitInfo) -> Any:
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        """vLLM's `stateless_init_process_group` for rank 0, on the store `listen` bound: the same
+        `StatelessProcessGroup` (`create`'s defaults but the store) and communicator."""
+        from vllm.distributed.utils import StatelessProcessGroup
 
-        return trainer_init({"master_address": info.master_address, "master_port": info.master_port,
-                             "world_size": info.world_size}, rank=0)
+        return nccl_communicator(StatelessProcessGroup(rank=0, world_size=int(info.world_size), store=self._store))
 
     def broadcast_all(self, pairs, info: dict) -> None:
         import torch
@@ -187,6 +187,16 @@ class NCCLTrainer(CollectiveTrainer):
         for _name, tensor in pairs:
             self.group.broadcast(tensor.contiguous(), src=0, stream=stream)
         stream.synchronize()
+
+
+def nccl_communicator(group: Any) -> Any:
+    """vLLM's NCCL communicator over `group`, on this rank's current device (as `trainer_init`)."""
+    import torch
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.utils.nccl import unpinned_nccl_env
+
+    with unpinned_nccl_env():
+        return PyNcclCommunicator(group, device=torch.accelerator.current_device_index())
 
 
 class IPCTrainer:

@@ -8,19 +8,24 @@ The driver's strategies (`PUSHES`), named by each transport:
 - "engine" (gloo, NCCL): vLLM's weight-transfer engines, linked once (`init_weight_transfer` on
   every learner rank). Each push queues one `receive_weights` call on every rollout actor — from
   the driver, so it runs after the rollouts the driver sent before (Ray orders calls per caller)
-  and before any sent after — then every learner rank's `send_weights`.
+  and before any sent after — then every learner rank's `send_weights`. An asynchronous push
+  holds the sends back until every worker is inside its receive (`DeferredSends`).
 - "engine_learner_driven" (CUDA IPC): the learner makes the actors' update call itself (its IPC
   handles exist only once it shares its tensors), so a push is always waited for.
 
-Every wait on a push is bounded by `rollout.weight_sync_timeout_s` (`collect`): neither PyNccl's
-broadcast nor vLLM's NCCL worker engine has a timeout of its own, so the driver's is the bound. A
-transport that cannot re-link a new vLLM process (`relinks=False`) turns an actor that died or
-stopped answering mid-push into one `EngineFault` line naming it, its node and the transport; the
-object store leaves a death to the driver's restart-and-re-push (`trainer.engines`).
+Every wait on a push is bounded by `rollout.weight_sync_timeout_s` (`collect`), counted from when
+the learner ranks' sends begin: it bounds the transfer, not the rollouts queued before it on an
+actor (an asynchronous push waits behind whole rollout steps at `trainer.max_staleness` >= 2;
+those are the stall bound's, `rollout.stall_timeout_s`). Neither PyNccl's broadcast nor vLLM's
+NCCL worker engine has a timeout of its own, so the driver's is the bound. A transport that cannot
+re-link a new vLLM process (`relinks=False`) turns an actor that died or stopped answering mid-push
+into one `EngineFault` line naming it, its node and the transport; the object store leaves a
+death to the driver's restart-and-re-push (`trainer.engines`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -49,6 +54,7 @@ class ObjectStorePush:
 
 class EnginePush:
     synchronous = False
+    defers = True  # an asynchronous push may hold its sends back (`DeferredSends`)
 
     def __init__(self, learners: Sequence[Any], workers: Sequence[Any], method: str, link: dict):
         import ray
@@ -71,15 +77,74 @@ class EnginePush:
         return ray.get(self.learners[0].transfer_update_info.remote())
 
     def start(self, workers: Sequence[Any]) -> list:
-        received = [w.receive_weights.remote(self.update_info) for w in self.workers]
-        return received + [lrn.send_weights.remote() for lrn in self.learners]
+        return self.receive() + self.send()
+
+    def receive(self) -> list:
+        """Each actor's whole update, queued behind the calls the driver sent it before."""
+        return [w.receive_weights.remote(self.update_info) for w in self.workers]
+
+    def send(self) -> list:
+        return [lrn.send_weights.remote() for lrn in self.learners]
 
     def roles(self, workers: Sequence[Any]) -> list[tuple[str, Any]]:
         return [("rollout", w) for w in self.workers] + [("learner", lrn) for lrn in self.learners]
 
 
+class DeferredSends:
+    """An asynchronous push's sends, issued once every rollout worker is inside its receive (the
+    progress board says "receiving weights"), from a thread that reads the board every `POLL_S` (~1 ms a read).
+
+    At `trainer.max_staleness` >= 2 a worker's receive is queued behind a whole rollout step; sent
+    at once, the learner ranks would wait in the collective for it (gloo's group timeout, ZeRO-3's
+    gathers) and the push's bound would measure the queue. A worker that starts receiving before
+    the others waits inside its receive for the sends, as it always waited for the slowest worker
+    to join: NCCL has no timeout there, and gloo's (`timeout_s`, from its own start) fails only if
+    one step's rollouts end more than `timeout_s` apart on two workers — then its receive fails and
+    `collect` names it. A receive that ends before the sends has failed (a broadcast needs every
+    worker): nothing is sent to a group missing a member, and `collect` names it."""
+
+    POLL_S = 0.05  # the sends wait for it: at max_staleness 1 on CPU a step is ~0.25 s
+
+    def __init__(self, push: EnginePush, received: list, receiving: Callable[[], Optional[set]]):
+        self.push, self.received, self.receiving = push, received, receiving
+        self.refs: list = []
+        self.sent_at: Optional[float] = None
+        self.error: Optional[BaseException] = None
+        self.done = threading.Event()  # sent, or given up
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="stapoctl-push-sends", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            while not self.done.wait(self.POLL_S):  # first read after a poll: the last push's "idle" is in
+                self.poll()
+        except BaseException as exc:  # Ray gone or a learner handle unusable: collect raises it
+            self.error = exc
+            self.cancel()
+
+    def poll(self) -> None:
+        import ray
+
+        if ray.wait(self.received, num_returns=1, timeout=0)[0]:
+            self.cancel()
+            return
+        inside = self.receiving()
+        if inside is None or not set(range(len(self.received))) <= inside:
+            return
+        with self._lock:
+            if not self.done.is_set():
+                self.refs, self.sent_at = self.push.send(), time.monotonic()
+                self.done.set()
+
+    def cancel(self) -> None:
+        """No send after this returns (a failed push is abandoned, its actors shut down)."""
+        with self._lock:
+            self.done.set()
+
+
 class LearnerDrivenPush(EnginePush):
     synchronous = True
+    defers = False
 
     def fixed_update_info(self):
         return None  # the learner builds each update (CUDA IPC handles) and sends it itself
@@ -108,8 +173,12 @@ class WeightSync:
         # (rollout worker indices not done, wait start) → raises for one whose progress stood still before it
         # began receiving (the driver's stall bound, trainer/stall.py); inside the receive, timeout_s applies
         self.progress_check: Optional[Callable[[set, float], None]] = None
+        # () → the rollout worker indices the progress board shows inside a push (None: no reading);
+        # set, an asynchronous "engine" push holds its sends back until every worker is (`DeferredSends`)
+        self.receiving: Optional[Callable[[], Optional[set]]] = None
         self._inflight: list = []
         self._inflight_roles: list = []
+        self._deferred: Optional[DeferredSends] = None
         link = {"tp_size": int(tp_size), "timeout_s": self.timeout_s}
         self._push = PUSHES[transport(method).push](self.learners, self.workers, method, link)
 
@@ -119,17 +188,23 @@ class WeightSync:
     def push_async(self) -> None:
         """Start a push and return at once (asynchronous training): the load queues behind the
         rollouts already sent to each actor, so they finish with the weights they started with.
-        `wait()` collects it (errors surface there); a new push waits for the previous one."""
+        `wait()` collects it (errors surface there); a new push waits for the previous one. With
+        the progress board (`receiving`), an "engine" push's sends wait for every worker's receive."""
         self.wait()
+        if getattr(self._push, "defers", False) and self.receiving is not None:
+            received = self._push.receive()
+            self._deferred = DeferredSends(self._push, received, self.receiving)
+            self._inflight, self._inflight_roles = received, [("rollout", w) for w in self.workers]
+            return
         self._inflight, self._inflight_roles = self._start(self.workers)
         if self._push.synchronous:
             self.wait()
 
     def wait(self) -> None:
-        inflight, roles = self._inflight, self._inflight_roles
-        self._inflight, self._inflight_roles = [], []
+        inflight, roles, deferred = self._inflight, self._inflight_roles, self._deferred
+        self._inflight, self._inflight_roles, self._deferred = [], [], None
         if inflight:
-            self.collect(inflight, roles)
+            self.collect(inflight, roles, deferred)
 
     def push(self) -> dict[str, float]:
         """Send the learner's current weights to every rollout actor; returns timings."""
@@ -143,14 +218,20 @@ class WeightSync:
         """Current weights to some actors only (restarted ones), where the transport can re-link them."""
         self.collect(*self._start(list(workers)))
 
-    def collect(self, refs: list, roles: list) -> list:
-        """The push's results, waited for at most `timeout_s`. A relinking transport (the object
-        store) raises an actor's death as Ray does, for the driver to restart it; the others raise one
-        `EngineFault` line: which actor died or did not answer, where, over which transport."""
+    def collect(self, refs: list, roles: list, deferred: Optional[DeferredSends] = None) -> list:
+        """The push's results, waited for at most `timeout_s` from its sends. A relinking transport
+        (the object store) raises an actor's death as Ray does, for the driver to restart it; the
+        others raise one `EngineFault` line: which actor died or did not answer, where, over which
+        transport. `deferred`: sends not yet issued; until they are, the stall bound applies."""
         import ray
 
-        start = time.monotonic()
-        deadline = start + self.timeout_s
+        start = sent = time.monotonic()
+        if deferred is not None:
+            self._await_sends(deferred, roles, start)
+            sent = deferred.sent_at or time.monotonic()
+            if deferred.refs:
+                refs, roles = refs + deferred.refs, roles + [("learner", lrn) for lrn in self.learners]
+        deadline = sent + self.timeout_s
         index = {id(ref): k for k, ref in enumerate(refs)}
         pending, results = list(refs), [None] * len(refs)
         while pending:
@@ -172,6 +253,20 @@ class WeightSync:
                 raise EngineFault(self._failed_line(roles[k], exc, pending, roles, index)) from exc
         return results
 
+    def _await_sends(self, deferred: DeferredSends, roles: list, start: float) -> None:
+        """Until the sends are issued, or given up (a receive ended first: the caller names it);
+        meanwhile a worker not yet receiving is the stall bound's (generating and moving is fine)."""
+        try:
+            while not deferred.done.wait(1.0):
+                if self.progress_check is not None:
+                    self._check_progress(roles, start)
+        except BaseException:
+            deferred.cancel()
+            raise
+        if deferred.error is not None:
+            self.broken = True
+            raise deferred.error
+
     def _check_progress(self, waiting: list, start: float) -> None:
         workers = {i for role, actor in waiting if role == "rollout"
                    for i, a in enumerate(self.workers) if a is actor}
@@ -186,7 +281,7 @@ class WeightSync:
         return self.name_actor(role, next((i for i, a in enumerate(group) if a is actor), -1))
 
     def _stalled_line(self, stalled: list) -> str:
-        workers = [r for r in stalled if r[0] == "rollout"] or stalled
+        workers = [r for r in stalled if r[0] == "rollout"] or self._silent_workers() or stalled
         others = [r for r in stalled if r not in workers]
         also = f" (waiting on it: {', '.join(self._name(*r) for r in others)})" if others else ""
         return (f"the weight sync over {self.method} did not finish within rollout.weight_sync_timeout_s="
@@ -217,10 +312,29 @@ class WeightSync:
         cause = err.cause if err is not None else (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
         silent = [roles[index[id(r)]] for r in pending
                   if roles[index[id(r)]][0] == "rollout" and not ray.wait([r], timeout=0)[0]]
-        if role[0] == "learner" and silent and "time" in cause.lower():  # its side timed out waiting on a worker
+        timed_out = role[0] == "learner" and "time" in cause.lower()  # its side timed out waiting on a worker
+        silent = silent or (self._silent_workers() if timed_out else [])
+        if timed_out and silent:
             return (f"{', '.join(self._name(*r) for r in silent)} stopped answering mid-push over {self.method} "
                     f"({self._name(*role)}'s side gave up first: {cause})")
         return f"the weight sync over {self.method} failed in {self._name(*role)}: {cause}"
+
+    def _silent_workers(self) -> list:
+        """The rollout workers that do not answer a cheap call (`info`) within a few seconds. A CUDA
+        IPC push's refs are the learner ranks' (they make the workers' calls), and the progress board
+        cannot tell either: those calls report no phase, so a stopped worker and the healthy ones
+        waiting for the learner's next call look alike there. A healthy worker is idle meanwhile and
+        answers at once; a stopped one, or one stuck inside its update call, does not."""
+        import ray
+
+        if not isinstance(self._push, LearnerDrivenPush):  # the workers' own refs said it
+            return []
+        try:
+            asks = [w.info.remote() for w in self.workers]
+            answered = {id(r) for r in ray.wait(asks, num_returns=len(asks), timeout=min(10.0, self.timeout_s))[0]}
+        except Exception:  # no answer is no evidence: the learner ranks stay named
+            return []
+        return [("rollout", w) for w, ref in zip(self.workers, asks) if id(ref) not in answered]
 
     def _dead(self, role: tuple, exc: BaseException):
         """(role, actor) of the actor an error says died: the call's own actor when Ray lost it, or —

@@ -59,6 +59,11 @@ def old_logprob_source(conf: DictConfig) -> str:
     return "rollout" if exact and not gpu_nucleus else "recompute"
 
 
+# vLLM's execute-model bound (TP > 1) sits this far past rollout.stall_timeout_s: the driver's stall
+# line, which names the worker, its node and the resume command, is the one a stuck step ends with
+EXECUTE_MODEL_MARGIN_S = 60.0
+
+
 def stall_timeout_s(conf: DictConfig) -> float:
     """`rollout.stall_timeout_s` (read with .get: a checkpoint's config saved before it resumes)."""
     return float(conf.rollout.get("stall_timeout_s") or 600.0)
@@ -81,11 +86,15 @@ def process_group_timeout_s(conf: DictConfig) -> float:
 
 def learner_args(conf: DictConfig, reference_path: Optional[str] = None) -> dict[str, Any]:
     """Everything a learner rank's `setup` / `reset` takes from a run's config; `reference_path`:
-    the run's initial policy when it differs from the weights it starts from (a resumed run)."""
+    the run's initial policy when it differs from the weights it starts from (a resumed run).
+    `learner["loss_modules"]`: each of `loss.modules` with the directory a rank puts on its sys.path."""
+    from stapoctl.config.loss_modules import roots
+
     r = conf.rollout
     learner = OmegaConf.to_container(conf.learner, resolve=True)
     learner["num_threads"] = thread_counts(conf)[1]
     learner["process_group_timeout_s"] = process_group_timeout_s(conf)
+    learner["loss_modules"] = roots(conf.loss.get("modules") or ())
     return dict(
         learner=learner,
         loss=OmegaConf.to_container(conf.loss, resolve=True),
@@ -126,4 +135,5 @@ def engine_spec(conf: DictConfig, policy_path: str, method: str, on_gpu: bool):
         num_threads=thread_counts(conf)[0] if not on_gpu else 0,
         colocated=colocated,
         kv_cache_bytes=kv_bytes,
+        execute_model_timeout_s=stall_timeout_s(conf) + EXECUTE_MODEL_MARGIN_S,
     )

@@ -314,6 +314,7 @@ class EngineLaunch:
             self.stall.label = lambda i: engines.actor_label("rollout", i)
             sync.progress_check = lambda waiting, start: self.stall.check(
                 waiting, start, f"the weight push over {self.method} waited for it")
+            sync.receiving = self.stall.receiving  # an async push's sends wait for every worker's receive
         record_start(info)  # tests only (STAPOCTL_TEST_ENGINE_LOG; launch/engine_log.py)
         return engines
 

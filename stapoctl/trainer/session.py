@@ -18,6 +18,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
+from stapoctl.errors import UserError
+
 # Config keys whose change needs new engines (everything else is applied by a reset).
 RESTART_KEYS = (
     "model.dtype",
@@ -46,7 +48,7 @@ def engine_parts(conf: DictConfig, policy_path: str, base_model: Optional[str] =
     checkpoints keep its architecture and tokenizer: a hub id, or a config a save writes with other
     fields (transformers 5 adds `rope_parameters`), still matches its own checkpoints."""
     from stapoctl.models.identity import model_identity
-    from stapoctl.trainer.engine_settings import max_model_len, thread_counts
+    from stapoctl.trainer.engine_settings import max_model_len, stall_timeout_s, thread_counts
 
     parts: dict[str, Any] = {"model": model_identity(base_model or policy_path),
                              "max_model_len": max_model_len(conf, policy_path),
@@ -54,6 +56,8 @@ def engine_parts(conf: DictConfig, policy_path: str, base_model: Optional[str] =
     for key in RESTART_KEYS:
         node = OmegaConf.select(conf, key)
         parts[key] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    if int(conf.rollout.tensor_parallel_size) > 1:  # vLLM's step bound, fixed at its start, follows the stall bound
+        parts["rollout.stall_timeout_s"] = stall_timeout_s(conf)
     return parts
 
 
@@ -159,7 +163,12 @@ class EngineSession:
         if self.engines is not None and key == self.key:
             t0 = time.perf_counter()
             args = learner_args(conf, reference_path)
-            ray.get([h.reset.remote(policy_path, **args) for h in self.engines.learners])
+            try:
+                ray.get([h.reset.remote(policy_path, **args) for h in self.engines.learners])
+            except Exception as exc:  # a rank's UserError (e.g. loss.modules' import): its one line, not Ray's stack
+                if isinstance(getattr(exc, "cause", None), UserError):
+                    raise exc.cause from None
+                raise
             if self.engines.stall is not None:  # the driver's bound, not the engines': this run's value
                 self.engines.stall.timeout_s = stall_timeout_s(conf)
             # the reset set this run's learner threads (the rollout's are the engines', part of the key)

@@ -9,10 +9,12 @@ moving generation never trips it: every engine step moves the count.
 
 Which bound wins: a worker inside a weight push (phase "receiving weights") is left to the push's
 own bound, `rollout.weight_sync_timeout_s` (`sync/transfer.py`), which names it as "stopped
-answering mid-push"; everything else it does is this bound's. A stall fails the run on every
-transport: Ray restarts only a process that died, and a stalled one has not (the object store's
-restart-and-resend, `rollout.max_restarts`, stays for dead actors). The engines are then stopped
-without waiting on the stalled actor (`Engines.shutdown`'s short grace).
+answering mid-push"; everything else it does is this bound's, also the rollouts an asynchronous
+push waits behind (its sends wait until `receiving` shows every worker inside the push, and its
+bound counts from them: issue #49 R1). A stall fails the run on every transport: Ray restarts
+only a process that died, and a stalled one has not (the object store's restart-and-resend,
+`rollout.max_restarts`, stays for dead actors). The engines are then stopped without waiting on
+the stalled actor (`Engines.shutdown`'s short grace).
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ class StallWatch:
         if None in waiting:
             raise EngineFault(f"{deadline_label or 'an engine actor'} did not finish {doing} within "
                               f"rollout.stall_timeout_s={self.timeout_s:g}")
+
+    def receiving(self) -> Optional[set]:
+        """The workers the board shows inside a weight push (None: the board did not answer)."""
+        board = self.read()
+        return None if board is None else {i for i, seen in board.items() if seen["phase"] == RECEIVING}
 
     def read(self) -> Optional[dict]:
         """The board, or None when it does not answer in time."""
