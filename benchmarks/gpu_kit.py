@@ -178,7 +178,7 @@ def learner_memory_worker(p: dict) -> dict:
         torch.cuda.synchronize()
         setup = memory_now()
         batch, rewards = GL.fixed_batch(p["prompts"], p["n"], p["prompt_length"], p["response_length"])
-        adv = L.compute_advantages(p["loss"], rewards, batch.group_ids, **lrn.loss_cfg)
+        adv = L.compute_advantages(lrn.loss_config, rewards, batch.group_ids)
         batch = batch.with_(rewards=rewards, advantages=adv)
         steps = []
         for i in range(p["steps"]):  # the first step also creates the optimizer's state

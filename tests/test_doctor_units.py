@@ -55,6 +55,8 @@ def test_the_canary_rows_split_over_every_rank_count(ranks, tmp_path, monkeypatc
     import ray
     import torch
 
+    from stapoctl.learner.group import LearnerGroup
+
     batch = engine.fixed_batch(str(tmp_path), pad_id=0, ranks=ranks)
     n = len(batch)
     covered = [i for k in range(ranks) for i in range(n)[_Rank(k, ranks).rows(n)]]
@@ -65,8 +67,8 @@ def test_the_canary_rows_split_over_every_rank_count(ranks, tmp_path, monkeypatc
         return {"log_prob": torch.zeros(len(rows), b.response_mask.shape[1])}
 
     call = lambda f: SimpleNamespace(remote=f)  # noqa: E731
-    learners = [SimpleNamespace(perturb_weights=call(lambda *a, **k: None), compute_log_probs=call(gathered))
-                for _ in range(ranks)]
+    learners = LearnerGroup([SimpleNamespace(perturb_weights=call(lambda *a, **k: None),
+                                             compute_log_probs=call(gathered)) for _ in range(ranks)])
     scores = iter([torch.full(batch.response_mask.shape, 0.5), torch.zeros(batch.response_mask.shape)])
     worker = SimpleNamespace(score_batch=call(lambda b: next(scores)))
     engines = SimpleNamespace(info={"pad_token_id": 0}, learners=learners, workers=[worker],

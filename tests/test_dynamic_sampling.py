@@ -113,7 +113,9 @@ class FakeRunner:
     """The StepRunner calls dynamic sampling makes; a prompt's verdicts come from `pattern(prompt)`."""
 
     def __init__(self, pattern, loss="grpo"):
-        self.pattern, self.pad_id, self.loss_cfg = pattern, 0, {"name": loss}
+        from stapoctl.config.loss_settings import build_loss_config
+
+        self.pattern, self.pad_id, self.loss_config = pattern, 0, build_loss_config({"name": loss})
         self.learner_version = self.weight_version = 0
         self.launched, self.updates, self.syncs, self._worker_rows = [], [], [], []
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -161,26 +160,27 @@ def _call(name: str, cfg_overrides: dict, inputs: dict[str, Any]) -> dict[str, A
     """The learner's path (learner/ppo_step.py `_minibatch_context`, `_micro_loss`) on ``inputs``:
     returns {"micro_batches": [{"loss", "loss_dtype", "metrics"}], "grad_log_prob": [B][T],
     "grad_entropy": [B][T] or None}. ``inputs["extras"]`` names the extra inputs passed, and
-    ``inputs["scalar_extras"]`` adds more (is_cap)."""
-    cfg = asdict(LOSSES[name].config_cls(**cfg_overrides))  # the learner's loss_cfg: every field, name included
+    ``inputs["scalar_extras"]`` adds more (is_cap). The config object is built once, as the learner
+    builds it at set-up (`config.loss_settings.build_loss_config`), and passed as it is."""
+    conf = LOSSES[name].config_cls(**cfg_overrides)  # the learner's loss_config
     extras_on = set(inputs["extras"])
     rows_keys = [k for k in ("group_ids", "sum_p2", "hidden_norm", "ref_log_prob", "behavior_log_prob")
                  if k in extras_on]
     scalars = {k: inputs[k] for k in ("global_step", "max_response_length") if k in extras_on}
     scalars.update(inputs.get("scalar_extras") or {})
-    bonus = float(cfg.get("entropy_coef") or 0.0) != 0
+    bonus = float(conf.entropy_coef or 0.0) != 0
     context = prepare_minibatch(
-        name, log_prob=inputs["log_prob"].detach(), advantages=inputs["advantages"],
+        conf, log_prob=inputs["log_prob"].detach(), advantages=inputs["advantages"],
         response_mask=inputs["response_mask"], entropy=inputs["entropy"].detach(),
-        old_log_prob=inputs["old_log_prob"], **{k: inputs[k] for k in rows_keys}, **scalars, **cfg)
+        old_log_prob=inputs["old_log_prob"], **{k: inputs[k] for k in rows_keys}, **scalars)
     micro, grad_lp, grad_ent = [], [], []
     for rows in inputs["micro_rows"]:
         lp = inputs["log_prob"][rows].clone().requires_grad_(True)
         ent = inputs["entropy"][rows].clone().requires_grad_(bonus)
         loss, metrics = compute_policy_loss(
-            name, log_prob=lp, old_log_prob=inputs["old_log_prob"][rows], advantages=inputs["advantages"][rows],
+            conf, log_prob=lp, old_log_prob=inputs["old_log_prob"][rows], advantages=inputs["advantages"][rows],
             response_mask=inputs["response_mask"][rows], entropy=ent,
-            **{k: inputs[k][rows] for k in rows_keys}, **scalars, **cfg, **slice_context(context, rows))
+            **{k: inputs[k][rows] for k in rows_keys}, **scalars, **slice_context(context, rows))
         leaves = [lp, ent] if bonus else [lp]
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         grad_lp.append(torch.zeros_like(lp) if grads[0] is None else grads[0])

@@ -45,14 +45,15 @@ def groups(tmp_path_factory, ray_runtime):
 
     from stapoctl.config.schema import TinyModelConfig
     from stapoctl.launch.ray_runtime import ensure_ray
-    from stapoctl.learner.deepspeed_learner import Learner, make_learner_group
+    from stapoctl.learner.deepspeed_learner import Learner
+    from stapoctl.learner.group import LearnerGroup
     from stapoctl.models.tiny import build_random
 
     model_dir = str(build_random(tmp_path_factory.mktemp("tiny_random"), TinyModelConfig(), seed=0))
     was_up = ray.is_initialized()
     ensure_ray(None)
     t0 = time.perf_counter()
-    two, setup_refs = make_learner_group(model_dir, learner_cfg(0, 2), loss_cfg("grpo"), n_per_prompt=N,
+    two, setup_refs = LearnerGroup.start(model_dir, learner_cfg(0, 2), loss_cfg("grpo"), n_per_prompt=N,
                                          temperature=1.0, dtype="float32", seed=0)
     count_engine_start(t0, (), setup_refs)
     one = Learner(rank=0, world_size=1)
@@ -69,7 +70,9 @@ def groups(tmp_path_factory, ray_runtime):
 def run_case(handles, model_dir, zero_stage, loss, batch):
     import ray
 
-    if not isinstance(handles, list):  # the in-process 1-rank reference
+    from stapoctl.learner.group import LearnerGroup
+
+    if not isinstance(handles, LearnerGroup):  # the in-process 1-rank reference
         handles.reset(model_dir, learner_cfg(zero_stage, 1), loss_cfg(loss), n_per_prompt=N, seed=0)
         return handles.train_step(batch, 1), handles.full_state_dict()
     ranks = len(handles)

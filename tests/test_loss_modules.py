@@ -223,6 +223,7 @@ def test_a_ranks_error_at_a_reset_on_warm_engines_reaches_the_user_as_its_one_li
     import ray
     from ray.exceptions import RayTaskError
 
+    from stapoctl.learner.group import LearnerGroup
     from stapoctl.trainer import engine_settings, session
 
     line = "loss.modules: cannot import 'x.y' on learner rank 0 (ModuleNotFoundError: No module named 'x')"
@@ -235,10 +236,10 @@ def test_a_ranks_error_at_a_reset_on_warm_engines_reaches_the_user_as_its_one_li
 
     learner = type("Handle", (), {"reset": type("M", (), {"remote": staticmethod(lambda *a, **k: None)})})
     pool = session.EngineSession()
-    pool.engines, pool.key = type("E", (), {"learners": [learner], "stall": None, "info": {}})(), "k"
+    pool.engines, pool.key = type("E", (), {"learners": LearnerGroup([learner]), "stall": None, "info": {}})(), "k"
     monkeypatch.setattr(session, "engine_key", lambda *a: "k")
     monkeypatch.setattr(pool, "_ensure_scorer", lambda conf: None)
-    monkeypatch.setattr(engine_settings, "learner_args", lambda conf, ref: {})
+    monkeypatch.setattr(engine_settings, "learner_args", lambda conf, ref: {"learner": {}, "loss": {}})
     monkeypatch.setattr(ray, "get", get)
     with pytest.raises(UserError) as exc:
         pool.acquire(None, "policy")

@@ -34,7 +34,7 @@ def _bind_errno(host: str, port: int) -> int:
 
 
 def _learner_rank(rank: int, held: int, home: str, addresses, results) -> None:
-    """One learner rank in its own process, as `make_learner_group` drives it: rank 0 answers
+    """One learner rank in its own process, as `LearnerGroup.start` drives it: rank 0 answers
     `rendezvous()`, every rank joins the process group (DeepSpeed's `init_distributed` included) with
     rank 0's address, then an all-reduce through DeepSpeed's comm."""
     import os

@@ -195,6 +195,17 @@ def test_a_worker_that_dies_before_the_sends_is_named_and_nothing_is_sent():
     assert sim.sent_at is None and sync.broken
 
 
+def test_a_push_abandoned_by_the_shutdown_of_a_run_ending_elsewhere_sends_nothing():
+    """A stall in the rollouts, a scorer error or Ctrl-C ends the run while a push is held back:
+    `Engines.shutdown` abandons it, so no send reaches learners that are being shut down."""
+    sim = Sim(enter={0: 0.1, 1: 0.6})
+    sync = engine_sync(sim, timeout_s=60.0)
+    sync.push_async()
+    sync.abandon()
+    time.sleep(0.6 + 3 * DeferredSends.POLL_S)  # both workers inside their receive by now
+    assert sim.sent_at is None
+
+
 def test_a_synchronous_push_sends_at_once_and_reads_no_board():
     sim = Sim(enter={0: 0.0, 1: 0.0})
     sync = engine_sync(sim, timeout_s=5.0)

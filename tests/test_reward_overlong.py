@@ -11,6 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from stapoctl.config.loss_settings import build_loss_config
 from stapoctl.reward.overlong import overlong_penalties, overlong_stats, soft_overlong_penalty
 from stapoctl.rollout.batch import RolloutBatch
 
@@ -67,11 +68,12 @@ def _runner(*, buffer=4, factor=1.0, filtered=False):
     class Engines:
         def __init__(self):
             self.sent = None
+            self.learners = self
 
         def wait_weights(self):  # no push in flight: the step's update waits on nothing
             pass
 
-        def call_learners(self, method, batch, *args, **kwargs):
+        def train_step(self, batch, *args, **kwargs):  # as `engines.learners` (a `LearnerGroup`)
             self.sent = batch
             from stapoctl.learner.step_result import StepResult
 
@@ -85,7 +87,8 @@ def _runner(*, buffer=4, factor=1.0, filtered=False):
     })
     runner.scorer, runner.engines = Scorer(), Engines()
     runner.answers, runner.questions, runner.kinds = ["1", "2"], ["q1", "q2"], None
-    runner.loss_cfg = {"name": "dr_grpo"}  # advantage = R - group mean: easy to check by hand
+    # dr_grpo's advantage = R - group mean: easy to check by hand
+    runner.loss_config = build_loss_config({"name": "grpo", "adv_estimator": "dr_grpo"})
     runner.old_source, runner.start_step, runner.learner_version, runner._worker_rows = "recompute", 0, 0, []
     return runner
 

@@ -132,13 +132,16 @@ def test_the_step_logs_each_workers_p99_over_the_tokens_the_learner_measured():
         [[False, False], [True, False]], [["a", "b"], ["c", "d"]], pad_id=0, prompt_index=[0, 1])
     learner = -torch.tensor(offs)[:, None] * batch.response_mask.float()
 
-    class Engines:
-        def wait_weights(self):
-            pass
-
-        def call_learners(self, method, view, *args, **kwargs):
+    class Learners:
+        def train_step(self, view, *args, **kwargs):
             return StepResult({"rollout/logprob_diff_max": 5.0}, old_log_probs=learner,
                               logprob_diff_rows=torch.tensor(offs))
+
+    class Engines:
+        learners = Learners()
+
+        def wait_weights(self):
+            pass
 
     def update(filtered: bool) -> dict:
         runner = StepRunner.__new__(StepRunner)

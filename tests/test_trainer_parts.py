@@ -246,7 +246,7 @@ def test_token_diagnostics_run_in_the_background_and_a_failure_only_warns(monkey
     monkeypatch.setattr(token_diagnostics, "log_step", fake_log_step)
     runner = StepRunner.__new__(StepRunner)
     runner.conf = OmegaConf.create({"learner": {"ppo_mini_batch_size": 2}, "rollout": {"n": 2}})
-    runner.loss_cfg, runner.data = {"name": "stapo"}, SimpleNamespace(tokenizer=SimpleNamespace(decode=str))
+    runner.loss_config, runner.data = {"name": "stapo"}, SimpleNamespace(tokenizer=SimpleNamespace(decode=str))
     runner._last_old = runner._last_entropy = torch.zeros(2, 2)
     runner._diag_pool, runner._diag_jobs = None, []
     for step in (2, 4):

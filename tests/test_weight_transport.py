@@ -36,7 +36,7 @@ def linked(tmp_path_factory, ray_runtime):
 
     from stapoctl.config.schema import TinyModelConfig
     from stapoctl.launch.ray_runtime import ensure_ray
-    from stapoctl.learner.deepspeed_learner import make_learner_group
+    from stapoctl.learner.group import LearnerGroup
     from stapoctl.losses import LOSSES
     from stapoctl.models.tiny import build_random
     from stapoctl.rollout.vllm_engine import EngineSpec
@@ -55,7 +55,7 @@ def linked(tmp_path_factory, ray_runtime):
                        warmup_steps=0, grad_clip=1.0, ppo_mini_batch_size=4, micro_batch_size=16,
                        ppo_epochs=1, logits_chunk_size=64, cpus=0.5, num_gpus=0, process_group_timeout_s=PG_TIMEOUT_S)
     loss_cfg = {"name": "grpo", **vars(LOSSES["grpo"].config_cls())}
-    learners, setup_refs = make_learner_group(model_dir, learner_cfg, loss_cfg, n_per_prompt=N, temperature=1.0,
+    learners, setup_refs = LearnerGroup.start(model_dir, learner_cfg, loss_cfg, n_per_prompt=N, temperature=1.0,
                                      dtype="float32", seed=0)
     info = ray.get(workers[0].info.remote())
     count_engine_start(t0, workers, setup_refs)

@@ -118,9 +118,9 @@ def canary(engines: Any, model_path: str) -> tuple[float, float, float]:
     import ray
 
     batch = fixed_batch(model_path, int(engines.info.get("pad_token_id") or 0), ranks=len(engines.learners))
-    ray.get([h.perturb_weights.remote(PERTURB_SCALE, seed=7, relative=True) for h in engines.learners])
+    engines.learners.perturb_weights(PERTURB_SCALE, seed=7, relative=True)
     # at T = 1 without top-p: vLLM's prompt log-probs are the model's own whatever the run samples with
-    learner_lp = ray.get([h.compute_log_probs.remote(batch, raw=True) for h in engines.learners])[0]["log_prob"]
+    learner_lp = engines.learners.compute_log_probs(batch, raw=True)["log_prob"]
 
     def diffs() -> list[float]:
         return [_max_diff(s, learner_lp, batch.response_mask)

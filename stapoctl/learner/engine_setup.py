@@ -16,6 +16,7 @@ import time
 from typing import Any, Optional
 
 from stapoctl.config.loss_modules import load_on_rank
+from stapoctl.config.loss_settings import build_loss_config
 from stapoctl.errors import UserError
 from stapoctl.learner.rendezvous import free_port  # noqa: F401  (tests and benchmarks import it here)
 
@@ -293,8 +294,8 @@ class EngineSetup:
                         top_p: float, max_response_length: Optional[int]) -> None:
         """The run's settings the PPO step reads; copies, so a caller's later edits don't leak in."""
         self.learner = dict(learner)
-        self.loss_cfg = dict(loss)
-        self.loss_name = self.loss_cfg["name"]
+        # typed, once per set-up/reset (after loss.modules are reloaded): every micro-batch's loss reads it
+        self.loss_config = build_loss_config(loss)
         self.n = int(n_per_prompt)
         # the rollout's sampling distribution, which every log-prob the learner returns is taken under
         self.temperature, self.top_p = float(temperature), float(top_p)
@@ -323,7 +324,7 @@ class EngineSetup:
         the learner sets each mini-batch's boundary itself, see `micro_batches.MicroBatching`)."""
         from stapoctl.config.validate import packing_conflict, token_budget_conflict
 
-        conflict = token_budget_conflict(learner, self.loss_cfg) or packing_conflict(learner)
+        conflict = token_budget_conflict(learner, vars(self.loss_config)) or packing_conflict(learner)
         if conflict:
             raise UserError(conflict)
         self.micro = int(learner["micro_batch_size"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from stapoctl.learner.metric_accumulator import MetricAccumulator
 from stapoctl.learner.step_result import StepResult
@@ -50,7 +50,7 @@ class PPOStep:
             batch = batch.with_(ref_log_probs=self.reference_log_probs(batch))
         t_policy = time.perf_counter() - t_policy
         t1 = time.perf_counter()
-        behavior = behavior or corrects(self.loss_cfg, old_logprob_source)
+        behavior = behavior or corrects(self.loss_config, old_logprob_source)
         metrics = self._update(batch, global_step, first_pass=stats, behavior=behavior)
         t_update = time.perf_counter() - t1
         rmask = batch.response_mask
@@ -130,9 +130,9 @@ class PPOStep:
         else:
             ent, lp, p2 = self._no_grad_pass(mini, mine)
             ent, lp, p2 = (self._all_gather_rows(t) for t in (ent, lp, p2))
-        context = prepare_minibatch(self.loss_name, log_prob=lp, advantages=mini.advantages,
+        context = prepare_minibatch(self.loss_config, log_prob=lp, advantages=mini.advantages,
                                     response_mask=mini.response_mask, entropy=ent,
-                                    old_log_prob=mini.old_log_probs, sum_p2=p2, **extras, **self.loss_cfg)
+                                    old_log_prob=mini.old_log_probs, sum_p2=p2, **extras)
         return ent, context
 
     def _micro_loss(self, mb, rows: slice, ent, context, extras: dict, *, behavior: bool):
@@ -140,22 +140,22 @@ class PPOStep:
         Returns (loss, metrics, context): the context is built here when none was passed in."""
         from stapoctl.losses import compute_policy_loss, prepare_minibatch, slice_context
 
-        cfg = self.loss_cfg
-        bonus = float(cfg.get("entropy_coef") or 0.0) != 0  # the entropy term (either sign) needs H's gradient
+        cfg = self.loss_config  # built once at set-up/reset: no config per micro-batch
+        bonus = float(getattr(cfg, "entropy_coef", 0.0) or 0.0) != 0  # the entropy term (either sign) needs ∇H
         ent_g, lp_g, p2_g = self._token_stats(mb, entropy_grad=bonus)
         mask = mb.response_mask.to(self.device)
         mb_extras = dict(extras, group_ids=mb.group_ids.to(self.device))
         mb_extras.update((k, v.to(self.device)) for k, v in _policy_inputs(mb, behavior).items())
         if context is None:
-            context = prepare_minibatch(self.loss_name, log_prob=lp_g.detach(),
+            context = prepare_minibatch(cfg, log_prob=lp_g.detach(),
                                         advantages=mb.advantages, response_mask=mask,
                                         entropy=ent_g.detach(), old_log_prob=mb.old_log_probs,
-                                        sum_p2=p2_g, **mb_extras, **cfg)
+                                        sum_p2=p2_g, **mb_extras)
             ent_mb = ent_g
         else:
             ent_mb = ent_g if bonus else ent[rows].to(self.device)
         loss, m = compute_policy_loss(
-            self.loss_name,
+            cfg,
             log_prob=lp_g,
             old_log_prob=mb.old_log_probs.to(self.device),
             advantages=_dev(mb.advantages, self.device),
@@ -163,7 +163,6 @@ class PPOStep:
             entropy=ent_mb,
             sum_p2=p2_g,
             **mb_extras,
-            **cfg,
             **slice_context(context, rows),
         )
         return loss, m, context
@@ -216,12 +215,12 @@ def _dev(t, device):
 
 
 
-def corrects(loss: dict, old_logprob_source: str) -> bool:
+def corrects(loss: Any, old_logprob_source: str) -> bool:
     """Whether the loss sees the behaviour policy's log-probs (vLLM's) on a batch that is not
     stale: under an explicit `loss.rollout_correction` every batch whose old log-probs are the
     learner's recompute is weighted by π_old/π_behav; under `off` the loss only measures it
     (`rollout_corr/*`); `auto` keeps it to stale async batches."""
-    return str(loss.get("rollout_correction") or "auto") != "auto" and old_logprob_source == "recompute"
+    return str(getattr(loss, "rollout_correction", None) or "auto") != "auto" and old_logprob_source == "recompute"
 
 
 def _policy_inputs(mb, behavior: bool) -> dict:

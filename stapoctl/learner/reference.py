@@ -14,12 +14,13 @@ checkpoint: the trainer passes its path separately from the policy's.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 
-def needs_reference(loss: dict) -> bool:
-    """A KL term to a reference: `kl_coef > 0` for every loss (tr_grpo's own form included)."""
-    return float(loss.get("kl_coef") or 0.0) > 0.0
+def needs_reference(loss: Any) -> bool:
+    """A KL term to a reference: `kl_coef > 0` for every loss (tr_grpo's own form included); `loss`
+    is the rank's typed loss config."""
+    return float(getattr(loss, "kl_coef", 0.0) or 0.0) > 0.0
 
 
 class ReferencePolicy:
@@ -35,7 +36,7 @@ class ReferencePolicy:
         from stapoctl.learner import packing
 
         self.reference = None
-        if path is None or not needs_reference(self.loss_cfg):
+        if path is None or not needs_reference(self.loss_config):
             return
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
         ref.config.use_cache = False

@@ -58,6 +58,8 @@ def init_default_group(backend: str, store: Any, rank: int, world_size: int, tim
     with its `device_id` on CUDA)."""
     import torch.distributed as dist
 
+    if dist.is_initialized():  # a second learner in one process (tests, benchmarks): as DeepSpeed's own init
+        return
     kwargs = {"device_id": device_id} if device_id is not None else {}
     dist.init_process_group(backend, store=store, rank=int(rank), world_size=int(world_size),
                             timeout=_timeout(timeout_s), **kwargs)

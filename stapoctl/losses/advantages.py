@@ -49,13 +49,19 @@ def group_standardize(
     return out
 
 
-def compute_advantages(name: str, rewards: Tensor, group_ids: Tensor, /, **cfg: Any) -> Tensor:
+def compute_advantages(name: Any, rewards: Tensor, group_ids: Tensor, /, **cfg: Any) -> Tensor:
     """Per-response advantages [N] (fp32) from scored rewards [N] and prompt ids [N].
 
-    ``name`` is a loss (its config's ``adv_estimator``, ``std_mode``, ``adv_eps`` apply; pass
-    ``**dataclasses.asdict(cfg)``) or an estimator name (``grpo``, ``dr_grpo``).
+    ``name`` is the run's loss config instance (its ``adv_estimator``, ``std_mode``, ``adv_eps``
+    apply; the driver's, built once by ``config.loss_settings.build_loss_config``; no ``cfg``), a
+    loss name (then ``cfg`` takes its config's fields: ``**dataclasses.asdict(cfg)``) or an
+    estimator name (``grpo``, ``dr_grpo``).
     """
-    if name in LOSSES:
+    if not isinstance(name, str):
+        if cfg:
+            raise ValueError(f"compute_advantages: {sorted(cfg)} beside a config object: set them in the config")
+        estimator, std_mode, eps = name.adv_estimator, name.std_mode, name.adv_eps
+    elif name in LOSSES:
         conf, _, _ = split_kwargs(LOSSES[name], cfg, extra_keys=frozenset())
         estimator, std_mode, eps = conf.adv_estimator, conf.std_mode, conf.adv_eps
     elif name in ADV_ESTIMATORS:

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .batch import PolicyBatch
 from .diagnostics import to_floats
-from .registry import EXTRA_KEYS, get_spec, split_kwargs
+from .registry import EXTRA_KEYS, resolve
 from .regularizers import record_context, regularizer_loss
 from .rollout_correction import rollout_correction
 
@@ -24,18 +24,19 @@ def _apply_rollout_correction(batch: PolicyBatch, conf: Any) -> None:
 
 
 def compute_policy_loss(
-    name: str, /, *, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+    name: Any, /, *, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
     entropy: Tensor, **cfg: Any,
 ) -> tuple[Tensor, dict[str, float]]:
     """Loss to minimise (fp32 scalar, differentiable w.r.t. log_prob, and w.r.t. entropy when
     ``entropy_coef != 0`` and the entropy carries a gradient) and metrics.
 
-    ``cfg`` takes the loss config's fields (``dataclasses.asdict(cfg)`` works, ``name``
-    included), the extra inputs and the mini-batch context listed in ``registry``. Without a
-    context the call is its own mini-batch. loss = method's pg − c·agg(H) + β·agg(KL) (verl).
+    ``name`` is the loss's config instance (the learner's, built once: no config per micro-batch)
+    or its name, and then ``cfg`` takes the config's fields too (``dataclasses.asdict(cfg)`` works,
+    ``name`` included); beside them the extra inputs and the mini-batch context listed in
+    ``registry``. Without a context the call is its own mini-batch. loss = method's pg − c·agg(H) +
+    β·agg(KL) (verl).
     """
-    spec = get_spec(name)
-    conf, extras, context = split_kwargs(spec, cfg)
+    spec, conf, extras, context = resolve(name, cfg)
     batch = PolicyBatch(
         log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, response_mask=response_mask,
         entropy=entropy, extras=extras, context=context,
@@ -52,7 +53,7 @@ def compute_policy_loss(
 
 
 def prepare_minibatch(
-    name: str, /, *, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, entropy: Tensor, **cfg: Any
+    name: Any, /, *, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, entropy: Tensor, **cfg: Any
 ) -> dict[str, Any]:
     """Mini-batch statistics to pass as kwargs into every micro-batch ``compute_policy_loss``.
 
@@ -62,11 +63,11 @@ def prepare_minibatch(
     micro-batch with ``slice_context``. With it, the sum over micro-batches of loss (and
     gradient) equals the one-shot mini-batch value. ``old_log_prob`` may be passed
     (ppl_shaping needs it); ``behavior_log_prob`` only by the measured values (shadow rules' G_t, the
-    mismatch per category), ``ref_log_prob`` only by tr_grpo's own tr_weighted KL.
+    mismatch per category), ``ref_log_prob`` only by tr_grpo's own tr_weighted KL. ``name``: as
+    in ``compute_policy_loss`` (a config instance or a loss name).
     """
-    spec = get_spec(name)
     old_log_prob = cfg.pop("old_log_prob", None)
-    conf, extras, context = split_kwargs(spec, cfg, extra_keys=EXTRA_KEYS)
+    spec, conf, extras, context = resolve(name, cfg, extra_keys=EXTRA_KEYS)
     if context:
         raise ValueError(f"prepare_minibatch computes the context itself; drop {sorted(context)}")
     with torch.no_grad():

@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Optional
 
 from stapoctl.config.fields import default_of
-from stapoctl.config.losses import LOSS_CONFIGS
+from stapoctl.config.loss_settings import add_loss_config
 
 EXTRA_KEYS = frozenset(
     {"group_ids", "global_step", "sum_p2", "hidden_norm", "max_response_length", "ref_log_prob",
@@ -76,18 +76,17 @@ LOSSES: dict[str, LossSpec] = {}
 def register_loss(name: str, config_cls: type, doc: Optional[str] = None) -> Callable:
     """Decorator: register ``fn`` as loss ``name``; configs then select it with loss=NAME. A module
     registering a name again replaces its own method (a reload: `loss.modules` on a reset learner
-    rank, an edited method); another module's name is refused."""
+    rank, an edited method); another module's name is refused. The config layer checks the class
+    and owns its table: a built-in's is declared there already, a run-time method's is added there
+    (`config.loss_settings.add_loss_config`), so `loss=NAME` composes."""
 
     def deco(fn: Callable) -> Callable:
-        first = fields(config_cls)[0]
-        if first.name != "name" or first.default != name:
-            raise TypeError(f"{config_cls.__name__}: first field must be name: str = {name!r}")
         before = LOSSES[name].fn.__module__ if name in LOSSES else fn.__module__
         if before != fn.__module__:
             raise ValueError(f"loss {name!r} is registered by {before} and again by {fn.__module__}: "
                              "rename one of them")
+        add_loss_config(name, config_cls)  # checks the first field; writes nothing for a declared built-in
         LOSSES[name] = LossSpec(name=name, fn=fn, config_cls=config_cls, doc=(doc or fn.__doc__ or "").strip())
-        LOSS_CONFIGS[name] = config_cls  # composing a config sees it (config.compose reads LOSS_CONFIGS)
         return fn
 
     return deco
@@ -127,6 +126,32 @@ def split_kwargs(spec: LossSpec, kwargs: dict[str, Any], extra_keys: frozenset[s
     extras = {k: v for k, v in kwargs.items() if k in extra_keys}
     context = {k: v for k, v in kwargs.items() if is_context_key(k)}
     return cfg, extras, context
+
+
+def resolve(name_or_cfg: Any, kwargs: dict[str, Any], extra_keys: frozenset[str] = EXTRA_KEYS):
+    """(spec, config instance, extras, context) of a call. A config instance (built once by the
+    caller: `config.loss_settings.build_loss_config`) is used as it is, and ``kwargs`` then hold only
+    extra inputs and context; a loss name builds the config from ``kwargs``' fields (`split_kwargs`)."""
+    if isinstance(name_or_cfg, str):
+        spec = get_spec(name_or_cfg)
+        return (spec, *split_kwargs(spec, kwargs, extra_keys))
+    cfg = name_or_cfg
+    spec = get_spec(getattr(cfg, "name", ""))
+    if not isinstance(cfg, spec.config_cls):
+        raise TypeError(f"a {type(cfg).__name__} is not loss {spec.name!r}'s config ({spec.config_cls.__name__})")
+    valid = extra_keys | CONTEXT_KEYS
+    for key in kwargs:
+        if key not in valid and not is_context_key(key):
+            raise ValueError(f"unknown key {key!r} for loss {spec.name!r} beside its config object (config fields "
+                             f"go in the object; closest valid: {closest(key, valid)!r})")
+    if kwargs.get("is_cap") is not None and hasattr(cfg, "rollout_is_cap"):
+        cap = {"rollout_is_cap": cfg.rollout_is_cap}
+        _is_cap_alias(spec.config_cls, kwargs, cap)
+        if cap["rollout_is_cap"] != cfg.rollout_is_cap:
+            cfg = replace(cfg, **cap)
+    extras = {k: v for k, v in kwargs.items() if k in extra_keys}
+    context = {k: v for k, v in kwargs.items() if is_context_key(k)}
+    return spec, cfg, extras, context
 
 
 def _is_cap_alias(config_cls: type, kwargs: dict[str, Any], cfg_kwargs: dict[str, Any]) -> None:

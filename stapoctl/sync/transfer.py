@@ -34,6 +34,10 @@ from stapoctl.sync.transports import choose_method, transport
 
 __all__ = ["WeightSync", "choose_method", "PUSHES"]
 
+# The one place the learner ranks' handles are called directly rather than through the driver's
+# `learner.group.LearnerGroup`: sync/ lies below learner/ and cannot import it, and a push pairs each
+# of its refs with the actor that made it (`roles`: who a stalled or failed send is named as).
+
 
 class ObjectStorePush:
     synchronous = False
@@ -205,6 +209,12 @@ class WeightSync:
         self._inflight, self._inflight_roles, self._deferred = [], [], None
         if inflight:
             self.collect(inflight, roles, deferred)
+
+    def abandon(self) -> None:
+        """The run is ending elsewhere (a stall, a scorer error, Ctrl-C): a held-back push sends nothing
+        to learners that are being shut down."""
+        if self._deferred is not None:
+            self._deferred.cancel()
 
     def push(self) -> dict[str, float]:
         """Send the learner's current weights to every rollout actor; returns timings."""

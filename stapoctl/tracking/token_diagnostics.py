@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -255,27 +255,41 @@ def write(diag: TokenDiagnostics, out_dir: Path | str, loss_name: str = "") -> l
     return [out / f for f in FILES]
 
 
-def write_page(out_dir: Path | str, batch: Any, log_probs: Tensor, entropy: Tensor, loss_cfg: dict, *, step: int,
+def s2t_settings(loss: Any) -> tuple[Any, float, float, str]:
+    """(typed loss config, τ_p, τ_h, quantile interpolation) of the run's loss config (a `loss` group
+    mapping is built by `config.loss_settings`). A method whose config lacks the S2T fields is
+    measured at their declared defaults (`config.losses.DiagnosticFields`)."""
+    from stapoctl.config.fields import default_of
+    from stapoctl.config.loss_settings import build_loss_config
+    from stapoctl.config.losses import DiagnosticFields
+
+    cfg = build_loss_config(loss) if isinstance(loss, Mapping) else loss
+    tau_p, tau_h, interp = (getattr(cfg, k, default_of(DiagnosticFields, k))
+                            for k in ("tau_p", "tau_h", "quantile_interpolation"))
+    return cfg, float(tau_p), float(tau_h), str(interp)
+
+
+def write_page(out_dir: Path | str, batch: Any, log_probs: Tensor, entropy: Tensor, loss_config: Any, *, step: int,
                mini_rows: int, decode: Callable[[list[int]], str], drift: Any, seed: int,
                counts: dict[str, int]) -> Path:
     """tokens.html (tracking/token_page.py): the per-token trace of a few groups, with the same π, H,
-    h* and categories as categories.json."""
+    h* and categories as categories.json. `loss_config`: the run's typed loss config (`s2t_settings`)."""
     from stapoctl.tracking.token_page import FILE, write_page as page
 
+    cfg, tau_p, tau_h, interpolation = s2t_settings(loss_config)
     mask = batch.response_mask.to(torch.bool).cpu()
     lp, ent = log_probs.detach().float().cpu(), entropy.detach().float().cpu()
     adv = batch.advantages.detach().float().cpu()
-    h = _thresholds(ent, mask, float(loss_cfg.get("tau_h", 0.2)), str(loss_cfg.get("quantile_interpolation",
-                                                                                      "linear")), mini_rows)
+    h = _thresholds(ent, mask, tau_h, interpolation, mini_rows)
     cats = token_categories(adv[:, None].expand_as(lp) if adv.dim() == 1 else adv, lp.exp(), ent, mask,
-                            tau_p=float(loss_cfg.get("tau_p", 2e-3)), threshold=h)
+                            tau_p=tau_p, threshold=h)
     path = Path(out_dir) / FILE
     page(path, batch, lp, ent, h, cats, drift=drift, decode=decode, step=step, seed=seed,
-         loss=str(loss_cfg.get("name", "")), labels=CATEGORIES, counts=counts)
+         loss=str(cfg.name), labels=CATEGORIES, counts=counts)
     return path
 
 
-def log_step(batch: Any, log_probs: Tensor, entropy: Tensor, loss_cfg: dict, *, step: int, mini_rows: int,
+def log_step(batch: Any, log_probs: Tensor, entropy: Tensor, loss_config: Any, *, step: int, mini_rows: int,
              decode: Callable[[list[int]], str], keep_dir: Optional[Path] = None,
              buffer: Any = None, drift: Any = None, seed: int = 0, upload: bool = True) -> TokenDiagnostics:
     """The training loop's hook: diagnose a scored batch and log it to the active MLflow run
@@ -290,10 +304,10 @@ def log_step(batch: Any, log_probs: Tensor, entropy: Tensor, loss_cfg: dict, *, 
     from stapoctl.tracking.keys import DIAGNOSTICS_DIR
     from stapoctl.tracking.metric_buffer import active
 
-    name = str(loss_cfg.get("name", ""))
+    loss_config, tau_p, tau_h, interpolation = s2t_settings(loss_config)  # the driver's object, as it is
+    name = str(loss_config.name)
     diag = diagnose(batch.response_ids, batch.response_mask, batch.advantages, log_probs, entropy,
-                    tau_p=float(loss_cfg.get("tau_p", 2e-3)), tau_h=float(loss_cfg.get("tau_h", 0.2)),
-                    interpolation=str(loss_cfg.get("quantile_interpolation", "linear")), mini_rows=mini_rows,
+                    tau_p=tau_p, tau_h=tau_h, interpolation=interpolation, mini_rows=mini_rows,
                     silencing=SILENCING.get(name), decode=decode, step=step)
     artifact_path = f"{DIAGNOSTICS_DIR}/step_{step:06d}"
     buffer = buffer if buffer is not None else active()
@@ -301,7 +315,7 @@ def log_step(batch: Any, log_probs: Tensor, entropy: Tensor, loss_cfg: dict, *, 
     if (buffer is not None or not upload) and keep_dir is not None:
         Path(keep_dir).mkdir(parents=True, exist_ok=True)
         write(diag, keep_dir, loss_name=name)
-        write_page(keep_dir, batch, log_probs, entropy, loss_cfg, **page)
+        write_page(keep_dir, batch, log_probs, entropy, loss_config, **page)
         if upload:
             buffer.log_artifacts(str(keep_dir), artifact_path)
         return diag
@@ -309,6 +323,6 @@ def log_step(batch: Any, log_probs: Tensor, entropy: Tensor, loss_cfg: dict, *, 
         return diag
     with tempfile.TemporaryDirectory() as tmp:
         write(diag, tmp, loss_name=name)
-        write_page(tmp, batch, log_probs, entropy, loss_cfg, **page)
+        write_page(tmp, batch, log_probs, entropy, loss_config, **page)
         mlflow.log_artifacts(tmp, artifact_path)
     return diag

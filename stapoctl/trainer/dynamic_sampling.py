@@ -272,8 +272,7 @@ class DynamicSampling:
 
         runner = self.runner
         batch = got.batch
-        batch = batch.with_(advantages=compute_advantages(runner.loss_cfg["name"], batch.rewards, batch.group_ids,
-                                                          **runner.loss_cfg))
+        batch = batch.with_(advantages=compute_advantages(runner.loss_config, batch.rewards, batch.group_ids))
         runner._worker_rows = list(got.workers)  # the per-worker sync canary of these rows
         metrics = runner.update(batch, step, staleness=got.staleness)
         metrics.update(runner.sync(wait=not self.ahead))

@@ -23,6 +23,7 @@ from stapoctl.errors import EngineFault, UserError
 from stapoctl.launch.actor_errors import describe_actor_death, user_error_in
 from stapoctl.launch.engine_log import record_start
 from stapoctl.launch.ray_runtime import startup_phases
+from stapoctl.learner.group import LearnerGroup
 from stapoctl.trainer.engine_settings import learner_args, stall_timeout_s, thread_counts
 from stapoctl.trainer.rollout_loss import is_rollout_loss, lost_for_good, rollout_max_restarts
 from stapoctl.trainer.stall import StallWatch
@@ -31,7 +32,7 @@ from stapoctl.trainer.stall import StallWatch
 @dataclass
 class Engines:
     workers: list
-    learners: list
+    learners: LearnerGroup  # every call to the learner ranks goes through it (a plain list of handles is wrapped)
     sync: Any
     placement: Any
     info: dict = field(default_factory=dict)
@@ -43,16 +44,9 @@ class Engines:
     say: Optional[Callable[[str], None]] = None
     stall: Any = None  # StallWatch (trainer/stall.py): rollout.stall_timeout_s on every wait for the workers
 
-    @property
-    def learner(self):
-        """Rank 0: its results are the step's (every rank runs every call)."""
-        return self.learners[0]
-
-    def call_learners(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run a method on every learner rank; rank 0's result."""
-        import ray
-
-        return ray.get([getattr(h, method).remote(*args, **kwargs) for h in self.learners])[0]
+    def __post_init__(self) -> None:
+        if not isinstance(self.learners, LearnerGroup):
+            self.learners = LearnerGroup(self.learners)
 
     # -- rollout actors that die ----------------------------------------------------------------
     def send_rollouts(self, submit: Callable[[Any, Any], Any], jobs: Sequence[tuple[int, Any]]) -> list:
@@ -190,13 +184,7 @@ class Engines:
 
     def learner_rank_of(self, exc: BaseException) -> Optional[int]:
         """Which learner rank an actor error is about (None: not a learner)."""
-        actor_id = getattr(exc, "actor_id", None)
-        if actor_id is None:
-            return None
-        for rank, h in enumerate(self.learners):
-            if h._actor_id.hex() == actor_id:
-                return rank
-        return None
+        return self.learners.rank_of(getattr(exc, "actor_id", None))
 
     def shutdown(self, grace_s: Optional[float] = None) -> None:
         """Stop vLLM inside its actors first (shared memory), then the actors themselves.
@@ -206,16 +194,18 @@ class Engines:
         is killed when the grace runs out."""
         import ray
 
+        if (abandon := getattr(self.sync, "abandon", None)) is not None:
+            abandon()
         if getattr(self.sync, "broken", False) or getattr(self.stall, "stalled", None) is not None:
             grace_s = min(grace_s or 2.0, 2.0)  # a failed push or a stalled worker: it may never answer
         # every actor's own clean-up at once (each is a separate process), each bounded
         calls = []
-        for actor, timeout in [*((w, grace_s or 60.0) for w in self.workers),
-                               *((h, grace_s or 30.0) for h in self.learners)]:
+        for w in self.workers:
             try:
-                calls.append((actor.shutdown.remote(), time.monotonic() + timeout))
+                calls.append((w.shutdown.remote(), time.monotonic() + (grace_s or 60.0)))
             except Exception:
                 pass
+        calls += [(ref, time.monotonic() + (grace_s or 30.0)) for ref in self.learners.shutdown_async()]
         for ref, deadline in calls:
             try:
                 ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
@@ -255,7 +245,7 @@ class EngineLaunch:
     method: str
     placement: Any
     workers: list
-    learners: list
+    learners: LearnerGroup
     setup_refs: list
     marks: dict = field(default_factory=dict)  # the driver's start-up marks, epoch seconds (`startup_phases`)
     reason: str = ""  # why these engines start (EngineSession: "first start", the settings that changed)
@@ -335,7 +325,6 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
 
     from stapoctl.launch.placement import make_placement
     from stapoctl.launch.ray_runtime import ensure_ray
-    from stapoctl.learner.deepspeed_learner import make_learner_group
     from stapoctl.rollout.progress import make_board
     from stapoctl.rollout.vllm_worker import make_rollout_worker
     from stapoctl.sync.transports import choose_method
@@ -369,9 +358,9 @@ def launch_engines(conf: DictConfig, policy_path: str, console=None,
         marks["rollout_created"] = time.time()
         if spec.colocated:  # vLLM sizes its memory before the learner allocates beside it
             ray.get([w.info.remote() for w in workers])
-        learners, setup_refs = make_learner_group(policy_path, **learner_args(conf, reference_path),
-                                                   placement=placement, wait=False,
-                                                   start_timeout_s=float(conf.cluster.placement_timeout_s) + 300.0)
+        learners, setup_refs = LearnerGroup.start(policy_path, **learner_args(conf, reference_path),
+                                                  placement=placement, wait=False,
+                                                  start_timeout_s=float(conf.cluster.placement_timeout_s) + 300.0)
         marks["learner_setup_sent"] = time.time()  # after rank 0's rendezvous: its process is up
     except BaseException:
         Engines(workers=workers, learners=[], sync=None, placement=placement, stall=StallWatch(board, 0)).shutdown()

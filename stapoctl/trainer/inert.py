@@ -54,14 +54,11 @@ def _nonzero(v: float) -> bool:
 
 
 def loss_config(loss: Mapping[str, Any]) -> Any:
-    """The typed loss config of a `loss` group dict (None for a loss this process does not know)."""
-    from stapoctl.config.losses import LOSS_CONFIGS
+    """The typed loss config of a `loss` group (`config.loss_settings.build_loss_config`), or None
+    for a loss this process does not know."""
+    from stapoctl.config.loss_settings import build_loss_config, loss_config_class
 
-    cls = LOSS_CONFIGS.get(str(loss.get("name", "")))
-    if cls is None:
-        return None
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in loss.items() if k in names})
+    return build_loss_config(loss) if loss_config_class(str(loss.get("name", ""))) is not None else None
 
 
 def _rule_knobs(cfg: Any) -> list[Knob]:

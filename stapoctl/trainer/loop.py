@@ -356,12 +356,10 @@ def _log_samples(conf, batch, step: int) -> None:
 
 def _save(engines, run_dir: Path, step: int, sampler_state: dict, run_id: str, base_model: str, tokenizer_dir: str,
           conf: DictConfig, resumed_from: Optional[Path] = None) -> Path:
-    import ray
-
     from stapoctl import checkpoint
 
     def payload(tmp: Path) -> None:
-        ray.get([h.save.remote(str(tmp), tokenizer_dir) for h in engines.learners])
+        engines.learners.save(str(tmp), tokenizer_dir)
 
     state = {
         "step": step,

@@ -148,8 +148,6 @@ class EngineSession:
     def acquire(self, conf: DictConfig, policy_path: str, reference_path: Optional[str] = None) -> tuple[Any, Any]:
         """Engines ready for a new run of `conf` starting from `policy_path`'s weights (its KL
         reference from `reference_path`, when that is another model: a resumed run's base)."""
-        import ray
-
         from stapoctl.trainer.engine_settings import learner_args, stall_timeout_s, thread_counts
 
         self._ensure_scorer(conf)
@@ -164,7 +162,7 @@ class EngineSession:
             t0 = time.perf_counter()
             args = learner_args(conf, reference_path)
             try:
-                ray.get([h.reset.remote(policy_path, **args) for h in self.engines.learners])
+                self.engines.learners.reset(policy_path, **args)
             except Exception as exc:  # a rank's UserError (e.g. loss.modules' import): its one line, not Ray's stack
                 if isinstance(getattr(exc, "cause", None), UserError):
                     raise exc.cause from None

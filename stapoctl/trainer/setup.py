@@ -220,7 +220,7 @@ def running_engines(conf: DictConfig, policy_path: str, resume_dir: Optional[Pat
         # not to the one of the run (or sweep) that started them
         engines.say = lambda msg: console.print(msg, style="yellow", markup=False, highlight=False)
         if resume_dir:
-            engines.call_learners("load", str(resume_dir))
+            engines.learners.load(str(resume_dir))
         info = engines.info
         if info.get("reused"):
             console.print(f"engines reused (learner reset + weight sync in {info['reset_s']:.1f} s)")

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from stapoctl.config.loss_settings import build_loss_config
 from stapoctl.reward.overlong import overlong_stats
 from stapoctl.trainer.setup import TrainData
 
@@ -43,7 +44,8 @@ class StepRunner:
         self.conf, self.engines, self.scorer, self.data = conf, engines, scorer, data
         self.prompt_ids, self.answers, self.questions = data.prompt_ids, data.answers, data.questions
         self.kinds = data.kinds  # answer kinds: how each list gold compares (None: by its form)
-        self.loss_cfg = OmegaConf.to_container(conf.loss, resolve=True)
+        # the typed loss config, built once per run: the advantages, drift and diagnostics all read this object
+        self.loss_config = build_loss_config(conf.loss)
         self.pad_id = int(engines.info.get("pad_token_id") or 0)
         self.old_source = old_logprob_source(conf)
         self.start_step = int(start_step)
@@ -114,7 +116,7 @@ class StepRunner:
                                            [self.kinds[i] for i in rows] if self.kinds else None)
         penalty = overlong_penalty(batch, self.conf)  # DAPO's soft overlong punishment (0 when off)
         rewards_t = torch.as_tensor(rewards, dtype=torch.float32) + penalty
-        adv = compute_advantages(self.loss_cfg["name"], rewards_t, batch.group_ids, **self.loss_cfg)
+        adv = compute_advantages(self.loss_config, rewards_t, batch.group_ids)
         correct = float(self.conf.reward.get("correct", 1.0))  # the rule's verdict per row, before any shaping
         accuracy = torch.as_tensor([float(r == correct) for r in rewards], dtype=torch.float32)
         batch = batch.with_(rewards=rewards_t, advantages=adv, rule_accuracy=accuracy)
@@ -139,8 +141,8 @@ class StepRunner:
         # send, so wait on the push first, bounded by rollout.weight_sync_timeout_s (a worker stalled
         # in it is named there) rather than on train_step without a bound
         self.engines.wait_weights()
-        result = self.engines.call_learners("train_step", loss_view(batch, self.conf), step, self.old_source,
-                                            measure=self.measure_due(step), behavior=staleness > 0)
+        result = self.engines.learners.train_step(loss_view(batch, self.conf), step, self.old_source,
+                                                  measure=self.measure_due(step), behavior=staleness > 0)
         self.learner_version += 1
         m = dict(result.metrics)
         self._last_old, self._last_entropy = result.old_log_probs, result.entropy
@@ -166,15 +168,12 @@ class StepRunner:
     def _drift(self, batch, result):
         """Learner vs vLLM log-probs of the measured step, per cell and per rule (losses/drift.py)."""
         from stapoctl.losses.drift import drift
-        from stapoctl.trainer.inert import loss_config
 
         if result.entropy is None or batch.rollout_log_probs is None:
             return None
         view = loss_view(batch, self.conf)
         mini_rows = int(self.conf.learner.ppo_mini_batch_size) * int(self.conf.rollout.n)
-        if getattr(self, "_loss_config", None) is None:  # built once: a preset shadow builds configs
-            self._loss_config = loss_config(self.loss_cfg)
-        return drift(self._loss_config, learner_log_prob=result.old_log_probs,
+        return drift(self.loss_config, learner_log_prob=result.old_log_probs,
                      rollout_log_prob=view.rollout_log_probs, entropy=result.entropy, advantages=view.advantages,
                      response_mask=view.response_mask, mini_rows=mini_rows)
 
@@ -205,7 +204,7 @@ class StepRunner:
             return
         mini_rows = int(self.conf.learner.ppo_mini_batch_size) * int(self.conf.rollout.n)
         keep = Path(run_dir) / "diagnostics" / f"step_{step:06d}" if run_dir is not None else None
-        args = (loss_view(batch, self.conf), self._last_old, self._last_entropy, self.loss_cfg)
+        args = (loss_view(batch, self.conf), self._last_old, self._last_entropy, self.loss_config)
         kwargs = dict(step=step, mini_rows=mini_rows, decode=self.data.tokenizer.decode, keep_dir=keep, buffer=active(),
                       drift=getattr(self, "_last_drift", None), seed=int(OmegaConf.select(self.conf, "trainer.seed",
                                                                                           default=0) or 0),
