@@ -148,3 +148,14 @@ def test_the_config_layer_refuses_a_class_whose_first_field_is_not_its_name():
     assert "bad_loss" not in LOSS_CONFIGS
     add_loss_config("grpo", GRPOConfig)  # a built-in's own class: already declared, the table is unchanged
     assert LOSS_CONFIGS["grpo"] is GRPOConfig and list(LOSS_CONFIGS) == list(LOSSES)
+
+
+def test_the_inert_knobs_read_the_runs_config_object_when_given_it(monkeypatch):
+    """The loop hands `knobs` the step runner's config: none is built a second time at run start."""
+    from stapoctl.trainer import inert
+
+    conf = compose.compose_config(["loss=stapo"])
+    cfg = build_loss_config(conf.loss)
+    built = inert.knobs(conf)  # without it: built here
+    monkeypatch.setattr(inert, "loss_config", lambda loss: pytest.fail("a second loss config was built"))
+    assert [k.key for k in inert.knobs(conf, cfg)] == [k.key for k in built]

@@ -27,6 +27,15 @@ def loss_config_class(name: str) -> Optional[type]:
     return LOSS_CONFIGS.get(str(name))
 
 
+def registered_class(name: str) -> type:
+    """The config class of loss `name`; a name no loss registered is one line naming the field."""
+    config_cls = loss_config_class(name)
+    if config_cls is None:
+        raise UserError(f"loss.name={name}: not a registered loss (see `stapoctl losses`; your own methods "
+                        "go in loss.modules)")
+    return config_cls
+
+
 def add_loss_config(name: str, config_cls: type) -> None:
     """Make `loss=NAME` an option for composing (`config.compose.register_configs` stores it); a
     name added again (a reloaded `loss.modules` module) gets the new class."""
@@ -52,10 +61,7 @@ def build_loss_config(loss: Mapping[str, Any] | Any) -> Any:
     of range raises the config's own ValueError (`config.validate` words it for a user's config)."""
     values = _as_dict(loss)
     name = str(values.get("name", ""))
-    config_cls = loss_config_class(name)
-    if config_cls is None:
-        raise UserError(f"loss.name={name}: not a registered loss (see `stapoctl losses`; your own methods "
-                        "go in loss.modules)")
+    config_cls = registered_class(name)
     names = {f.name for f in fields(config_cls)}
     unknown = sorted(k for k in values if k not in names)
     if unknown:

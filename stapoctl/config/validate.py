@@ -64,12 +64,10 @@ def _check_engine_names(conf: DictConfig) -> None:
 
 def _check_loss(loss: DictConfig) -> None:
     from stapoctl.config.loss_modules import import_modules
-    from stapoctl.config.losses import LOSS_CONFIGS
+    from stapoctl.config.loss_settings import registered_class
 
     import_modules(loss.get("modules") or ())  # an experiment's or a resumed run's own methods, registered first
-    config_cls = LOSS_CONFIGS.get(str(loss.name))
-    if config_cls is None:  # Hydra already refuses an unknown loss=NAME; a hand-made config may not
-        raise UserError(f"loss.name={loss.name}: not a registered loss (see `stapoctl losses`)")
+    config_cls = registered_class(str(loss.name))  # Hydra refuses an unknown loss=NAME; a hand-made config may not
     for name, value, why in problems(config_cls, loss):
         raise _field_error(f"loss.{name}", config_cls, name, value, why)
     values = OmegaConf.to_container(loss, resolve=True)

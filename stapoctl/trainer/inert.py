@@ -87,12 +87,13 @@ def _rule_knobs(cfg: Any) -> list[Knob]:
     return out
 
 
-def knobs(conf: Any) -> list[Knob]:
-    """The configured terms of a run whose acting the driver can see, with their evidence."""
+def knobs(conf: Any, cfg: Any = None) -> list[Knob]:
+    """The configured terms of a run whose acting the driver can see, with their evidence. `cfg`:
+    the run's typed loss config when the caller holds it (the step runner's), else built here."""
     from omegaconf import OmegaConf
 
     loss = OmegaConf.to_container(conf.loss, resolve=True) if not isinstance(conf.loss, dict) else conf.loss
-    cfg = loss_config(loss)
+    cfg = cfg if cfg is not None else loss_config(loss)
     out = _rule_knobs(cfg) if cfg is not None and hasattr(cfg, "rules") else []
     if float(loss.get("kl_coef") or 0) > 0:
         out.append(Knob("loss.kl_coef", f"loss.kl_coef={float(loss['kl_coef']):g} with a KL term identically 0",

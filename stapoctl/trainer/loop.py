@@ -88,7 +88,7 @@ class Loop:
 
             self.watch = HealthWatch(limits_from(conf.trainer.get("alarm_limits")))
             self.canary = _sync_canary(conf, runner.engines, self.watch.limits)
-        self.inert = _inert_watch(conf, start_step)
+        self.inert = _inert_watch(conf, start_step, getattr(runner, "loss_config", None))
         with LiveView(console, total, start_step, title=f"{conf.experiment} · {conf.loss.name}") as view:
             if runner.data.val_sets and start_step == 0 and conf.trainer.val_before_train:
                 first_val = self._validate_start(view)
@@ -288,14 +288,15 @@ def _sync_canary(conf, engines, limits):
     return SyncCanary(limits, str(conf.model.dtype), method, name)
 
 
-def _inert_watch(conf, start_step: int):
-    """The run's InertWatch (trainer/inert.py); a resumed run's logged steps are evidence too."""
+def _inert_watch(conf, start_step: int, loss_config=None):
+    """The run's InertWatch (trainer/inert.py) on the run's one typed loss config (the step runner's);
+    a resumed run's logged steps are evidence too."""
     from stapoctl.trainer.alarms import limits_from
     from stapoctl.trainer.inert import InertWatch, knobs
     from stapoctl.tracking.metric_buffer import active
 
     after = limits_from(conf.trainer.get("alarm_limits")).inert_steps if conf.trainer.get("alarms", True) else 0
-    watch = InertWatch(knobs(conf), after)
+    watch = InertWatch(knobs(conf, loss_config), after)
     if start_step:
         watch.seed(active(), start_step)
     return watch
